@@ -1,0 +1,91 @@
+"""Character ids: the bilm-tf / AllenNLP scheme, and the only place its conventions live.
+
+Two schemes share one layout (a row of ``max_chars`` ids per token):
+
+* **raw** (bilm-tf training, ``n_characters`` 261): byte values 0..255, then
+  256 begin-of-sentence, 257 end-of-sentence, 258 begin-of-word, 259 end-of-word, 260 in-word padding.
+* **inference** (bilm-tf ``Batcher``, AllenNLP ``batch_to_ids``): every raw id + 1, so that 0 is free to mean
+  "padding token" (a whole row of zeros). The model's char table has 262 rows, row 0 all zeros.
+
+The model always works in the inference scheme; training batches add 1 to their raw ids.
+A token is its UTF-8 bytes cut to ``max_chars - 2`` (a cut may split a multi-byte character, as upstream).
+The strings ``<S>`` and ``</S>`` always get the sentence-boundary patterns (AllenNLP's behaviour).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+import torch
+
+MAX_CHARS = 50
+N_RAW_CHARS = 261  # rows of bilm-tf's trained char_embed
+N_CHARS = 262  # rows of the inference char table (raw + the zero padding row)
+
+BOS_CHAR = 256
+EOS_CHAR = 257
+BOW_CHAR = 258
+EOW_CHAR = 259
+PAD_CHAR = 260
+
+BOS_TOKEN = "<S>"
+EOS_TOKEN = "</S>"
+UNK_TOKEN = "<UNK>"
+
+
+def _marker_row(char: int, max_chars: int) -> tuple[int, ...]:
+    row = [PAD_CHAR] * max_chars
+    row[0], row[1], row[2] = BOW_CHAR, char, EOW_CHAR
+    return tuple(row)
+
+
+@lru_cache(maxsize=1 << 17)
+def raw_char_ids(token: str, max_chars: int = MAX_CHARS) -> tuple[int, ...]:
+    """Raw (0..260) char ids of one token: ``[BOW, bytes[:max_chars-2], EOW, PAD...]``."""
+    if token == BOS_TOKEN:
+        return _marker_row(BOS_CHAR, max_chars)
+    if token == EOS_TOKEN:
+        return _marker_row(EOS_CHAR, max_chars)
+    data = token.encode("utf-8", "ignore")[: max_chars - 2]
+    row = [PAD_CHAR] * max_chars
+    row[0] = BOW_CHAR
+    row[1 : 1 + len(data)] = data
+    row[1 + len(data)] = EOW_CHAR
+    return tuple(row)
+
+
+def char_ids(token: str, max_chars: int = MAX_CHARS) -> list[int]:
+    """Inference (+1) char ids of one token, as bilm-tf's ``Batcher`` and AllenNLP produce them."""
+    return [c + 1 for c in raw_char_ids(token, max_chars)]
+
+
+def tokens_to_char_array(tokens: Sequence[str], max_chars: int = MAX_CHARS, raw: bool = False) -> np.ndarray:
+    """(n_tokens, max_chars) int32 ids for a list of tokens; +1 scheme unless ``raw``."""
+    out = np.empty((len(tokens), max_chars), dtype=np.int32)
+    for i, token in enumerate(tokens):
+        out[i] = raw_char_ids(token, max_chars)
+    if not raw:
+        out += 1
+    return out
+
+
+def batch_to_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS) -> torch.Tensor:
+    """(B, T, max_chars) int64 inference ids **without** sentence boundaries, right-padded with 0-rows.
+
+    Same contract as AllenNLP's ``batch_to_ids``: the biLM adds ``<S>``/``</S>`` itself.
+    """
+    longest = max((len(s) for s in sentences), default=0)
+    out = np.zeros((len(sentences), longest, max_chars), dtype=np.int64)
+    for b, sentence in enumerate(sentences):
+        if sentence:
+            out[b, : len(sentence)] = tokens_to_char_array(sentence, max_chars)
+    return torch.from_numpy(out)
+
+
+def boundary_char_ids(max_chars: int = MAX_CHARS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference ids of ``<S>`` and ``</S>`` as (max_chars,) int64 tensors."""
+    bos = torch.tensor(char_ids(BOS_TOKEN, max_chars), dtype=torch.int64)
+    eos = torch.tensor(char_ids(EOS_TOKEN, max_chars), dtype=torch.int64)
+    return bos, eos

@@ -1,0 +1,193 @@
+"""Typed model configuration with bilm-tf's option names, and the published ELMo sizes as presets.
+
+``ModelConfig`` is exactly what ``options.json`` holds for inference (``char_cnn`` + ``lstm``), plus the
+softmax size when the model carries one. It round-trips through ``options.json`` and YAML/JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elmo_core.chars import MAX_CHARS, N_CHARS
+from elmo_core.errors import ConfigError
+
+# The char-CNN of every published ELMo (2048 filters in total).
+PUBLISHED_FILTERS: list[list[int]] = [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CharEmbeddingConfig(_Strict):
+    dim: int = Field(16, gt=0, description="D_c, width of one character's embedding")
+
+
+class CharCNNConfig(_Strict):
+    embedding: CharEmbeddingConfig = CharEmbeddingConfig()
+    filters: list[list[int]] = Field(default_factory=lambda: [list(f) for f in PUBLISHED_FILTERS])
+    n_highway: int = Field(2, ge=0)
+    activation: Literal["relu", "tanh"] = "relu"
+    max_characters_per_token: int = Field(MAX_CHARS, ge=3)
+    # 262 at inference (a zero padding row), 261 in bilm-tf training files; the model always holds 262.
+    n_characters: int = Field(N_CHARS, ge=261, le=262)
+
+    @model_validator(mode="after")
+    def _check_filters(self) -> "CharCNNConfig":
+        for f in self.filters:
+            if len(f) != 2 or f[0] <= 0 or f[1] <= 0:
+                raise ValueError(f"each filter must be [width, count] with positive ints, got {f}")
+            if f[0] > self.max_characters_per_token:
+                raise ValueError(f"filter width {f[0]} exceeds max_characters_per_token")
+        return self
+
+    @property
+    def n_filters(self) -> int:
+        return sum(count for _, count in self.filters)
+
+
+class LstmConfig(_Strict):
+    dim: int = Field(4096, gt=0, description="H, LSTM cell size")
+    projection_dim: int = Field(512, gt=0, description="P, projected output and token-embedding size")
+    n_layers: int = Field(2, gt=0)
+    cell_clip: float | None = Field(3.0, description="clip c to +-value; null turns it off")
+    proj_clip: float | None = Field(3.0, description="clip projected h to +-value; null turns it off")
+    use_skip_connections: bool = True
+
+    @model_validator(mode="after")
+    def _check_projection(self) -> "LstmConfig":
+        if self.projection_dim > self.dim:
+            raise ValueError(f"projection_dim {self.projection_dim} must not exceed dim {self.dim}")
+        return self
+
+    @property
+    def clipped(self) -> bool:
+        return self.cell_clip is not None or self.proj_clip is not None
+
+
+class ModelConfig(_Strict):
+    """The biLM architecture. Field names are bilm-tf's so ``options.json`` maps 1:1."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)  # options.json may hold training keys
+
+    char_cnn: CharCNNConfig = CharCNNConfig()
+    lstm: LstmConfig = LstmConfig()
+    n_tokens_vocab: int | None = Field(None, gt=0, description="softmax rows; None = no softmax")
+
+    @model_validator(mode="after")
+    def _check_projection(self) -> "ModelConfig":
+        if self.char_cnn.n_filters < self.lstm.projection_dim:
+            raise ValueError(
+                f"char CNN has {self.char_cnn.n_filters} filters, fewer than projection_dim "
+                f"{self.lstm.projection_dim} (bilm-tf requires n_filters >= projection_dim)"
+            )
+        return self
+
+    # ----- options.json ---------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: dict[str, Any], source: str = "options") -> "ModelConfig":
+        if "char_cnn" not in options:
+            raise ConfigError(
+                f"{source}: no 'char_cnn' section; word-input biLMs are not supported "
+                "(every published ELMo reads characters)"
+            )
+        if "lstm" not in options:
+            raise ConfigError(f"{source}: no 'lstm' section")
+        try:
+            return cls.model_validate(options)
+        except ValidationError as exc:
+            raise ConfigError(f"{source}: invalid options: {exc}") from None
+
+    def to_options(self) -> dict[str, Any]:
+        """The ``options.json`` dict that bilm-tf and AllenNLP load (``n_characters`` 262)."""
+        options = self.model_dump(exclude_none=False)
+        options["char_cnn"]["n_characters"] = N_CHARS
+        if self.n_tokens_vocab is None:
+            options.pop("n_tokens_vocab")
+        return options
+
+
+def read_options(path: str | Path) -> ModelConfig:
+    """Load an ``options.json`` (bilm-tf / AllenNLP) into a ``ModelConfig``."""
+    path = Path(path)
+    try:
+        options = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: options file not found") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    return ModelConfig.from_options(options, source=str(path))
+
+
+def write_options(config: ModelConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_options(), indent=2) + "\n", encoding="utf-8")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (stage configs validate it themselves)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
+    return data
+
+
+# ----- presets: the published sizes (allennlp.org names them {L}x{H}_{P}_{F}cnn_{k}xhighway) ---------
+
+
+def tiny() -> ModelConfig:
+    """The fixture architecture (124 filters, 2x64_16): seconds on CPU, for tests."""
+    return ModelConfig(
+        char_cnn=CharCNNConfig(
+            embedding=CharEmbeddingConfig(dim=4),
+            filters=[[1, 4], [2, 8], [3, 16], [4, 32], [5, 64]],
+            n_highway=2,
+        ),
+        lstm=LstmConfig(dim=64, projection_dim=16, n_layers=2),
+    )
+
+
+def small() -> ModelConfig:
+    """2x1024_128_2048cnn_1xhighway (13.6M parameters)."""
+    return ModelConfig(
+        char_cnn=CharCNNConfig(n_highway=1),
+        lstm=LstmConfig(dim=1024, projection_dim=128, n_layers=2),
+    )
+
+
+def medium() -> ModelConfig:
+    """2x2048_256_2048cnn_1xhighway (28.0M parameters)."""
+    return ModelConfig(
+        char_cnn=CharCNNConfig(n_highway=1),
+        lstm=LstmConfig(dim=2048, projection_dim=256, n_layers=2),
+    )
+
+
+def original() -> ModelConfig:
+    """2x4096_512_2048cnn_2xhighway (93.6M parameters): the Peters et al. (2018) model."""
+    return ModelConfig(
+        char_cnn=CharCNNConfig(n_highway=2),
+        lstm=LstmConfig(dim=4096, projection_dim=512, n_layers=2),
+    )
+
+
+PRESETS = {"tiny": tiny, "small": small, "medium": medium, "original": original}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None

@@ -1,0 +1,218 @@
+"""bilm-tf / AllenNLP weight files: ``weights.hdf5`` ⇄ ``BiLM.state_dict()``, one function per direction.
+
+The HDF5 file is flat: float32 datasets named after the TF variables (``docs/elmo-format.md`` §3). Every
+TensorFlow convention is converted here and nowhere else:
+
+* ``char_embed`` has 261 rows (raw ids); the model's table has a zero row 0 for the +1 scheme.
+* conv kernels are TF ``[1, width, in, out]``; PyTorch ``Conv1d`` wants ``[out, in, width]``.
+* dense kernels are ``x @ W`` (in × out); ``nn.Linear`` stores ``W.T``.
+* LSTM ``W_0`` is ``[input rows; recurrent rows] × 4H`` with gate blocks **i, j, f, o**; PyTorch splits it into
+  ``weight_ih``/``weight_hh`` with blocks **i, f, g(=j), o**. ``B`` lacks TF's run-time forget-gate +1, which
+  the model keeps in the frozen ``bias_hh`` (so load → save is bit-exact). ``W_P_0`` (H × P) is ``weight_hr.T``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from elmo_core.config import ModelConfig, read_options, write_options
+from elmo_core.errors import WeightFileError
+from elmo_core.model import BiLM, _forget_gate_one
+from elmo_core.vocab import read_vocab_file, write_vocab_file
+
+OPTIONS_NAME = "options.json"
+WEIGHTS_NAME = "weights.hdf5"
+VOCAB_NAME = "vocab.txt"
+
+_GATES_TF_TO_TORCH = (0, 2, 1, 3)  # i, j, f, o → i, f, j, o (self-inverse)
+
+
+def _lstm_prefix(direction: int, layer: int) -> str:
+    return f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+
+
+def _reorder_gates(x: np.ndarray, axis: int) -> np.ndarray:
+    blocks = np.split(x, 4, axis=axis)
+    return np.concatenate([blocks[i] for i in _GATES_TF_TO_TORCH], axis=axis)
+
+
+class _Reader:
+    """Reads datasets by name and checks their shapes, with errors that name the file and dataset."""
+
+    def __init__(self, f: h5py.File, path: str) -> None:
+        self.f, self.path = f, path
+
+    def has(self, name: str) -> bool:
+        return name in self.f and isinstance(self.f[name], h5py.Dataset)
+
+    def get(self, name: str, shape: tuple[int, ...], why: str, aliases: tuple[str, ...] = ()) -> np.ndarray:
+        for candidate in (name, *aliases):
+            if self.has(candidate):
+                data = self.f[candidate]
+                if tuple(data.shape) != shape:
+                    raise WeightFileError(
+                        f"{self.path}: dataset '{candidate}' has shape {tuple(data.shape)}, expected {shape} "
+                        f"({why}); the options do not match these weights"
+                    )
+                return np.asarray(data[...], dtype=np.float32)
+        raise WeightFileError(f"{self.path}: dataset '{name}' is missing (expected shape {shape}, {why})")
+
+
+def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``BiLM`` state dict from a bilm-tf ``weights.hdf5``; softmax included when the file has it."""
+    path = str(path)
+    cnn, lstm = config.char_cnn, config.lstm
+    d_c, n_filters, p, h = cnn.embedding.dim, cnn.n_filters, lstm.projection_dim, lstm.dim
+    state: dict[str, torch.Tensor] = {}
+    try:
+        f = h5py.File(path, "r")
+    except FileNotFoundError:
+        raise WeightFileError(f"{path}: weight file not found") from None
+    except OSError as exc:
+        raise WeightFileError(f"{path}: not a readable HDF5 file ({exc})") from None
+    with f:
+        r = _Reader(f, path)
+        char_embed = r.get("char_embed", (261, d_c), f"261 raw char ids × char_cnn.embedding.dim {d_c}")
+        state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(
+            np.concatenate([np.zeros((1, d_c), np.float32), char_embed])
+        )
+        for i, (width, count) in enumerate(cnn.filters):
+            why = f"char_cnn.filters[{i}] = [{width}, {count}]"
+            kernel = r.get(f"CNN/W_cnn_{i}", (1, width, d_c, count), why)
+            state[f"token_encoder.char_cnn.convs.{i}.weight"] = torch.from_numpy(np.ascontiguousarray(kernel[0].transpose(2, 1, 0)))
+            state[f"token_encoder.char_cnn.convs.{i}.bias"] = torch.from_numpy(r.get(f"CNN/b_cnn_{i}", (count,), why))
+        for k in range(cnn.n_highway):
+            why = f"highway {k} of width {n_filters}"
+            for name in ("carry", "transform"):
+                w = r.get(f"CNN_high_{k}/W_{name}", (n_filters, n_filters), why)
+                state[f"token_encoder.highways.{k}.{name}.weight"] = torch.from_numpy(np.ascontiguousarray(w.T))
+                state[f"token_encoder.highways.{k}.{name}.bias"] = torch.from_numpy(r.get(f"CNN_high_{k}/b_{name}", (n_filters,), why))
+        if n_filters != p:
+            why = f"{n_filters} filters → projection_dim {p}"
+            state["token_encoder.projection.weight"] = torch.from_numpy(np.ascontiguousarray(r.get("CNN_proj/W_proj", (n_filters, p), why).T))
+            state["token_encoder.projection.bias"] = torch.from_numpy(r.get("CNN_proj/b_proj", (p,), why))
+        for direction, side in enumerate(("forward", "backward")):
+            for layer in range(lstm.n_layers):
+                prefix = _lstm_prefix(direction, layer)
+                # bilm-tf's 1-layer training graph has no MultiRNNCell; accept its dumped names too
+                alias = f"RNN_{direction}/RNN/LSTMCell" if lstm.n_layers == 1 else None
+                why = f"lstm layer {layer}: input {p} + recurrent {p} rows, 4 × dim {h} columns"
+                w0 = _reorder_gates(r.get(f"{prefix}/W_0", (2 * p, 4 * h), why, (f"{alias}/W_0",) if alias else ()), axis=1)
+                b = _reorder_gates(r.get(f"{prefix}/B", (4 * h,), why, (f"{alias}/B",) if alias else ()), axis=0)
+                key = f"lstm.{side}_layers.{layer}"
+                state[f"{key}.weight_ih_l0"] = torch.from_numpy(np.ascontiguousarray(w0[:p].T))
+                state[f"{key}.weight_hh_l0"] = torch.from_numpy(np.ascontiguousarray(w0[p:].T))
+                state[f"{key}.bias_ih_l0"] = torch.from_numpy(b)
+                state[f"{key}.bias_hh_l0"] = torch.zeros(4 * h)  # replaced by the forget +1 in load_state_dict
+                if p < h:
+                    why_p = f"projection dim {h} → {p}"
+                    wp = r.get(f"{prefix}/W_P_0", (h, p), why_p, (f"{alias}/W_P_0",) if alias else ())
+                    state[f"{key}.weight_hr_l0"] = torch.from_numpy(np.ascontiguousarray(wp.T))
+        if config.n_tokens_vocab is not None or r.has("softmax/W"):
+            rows = config.n_tokens_vocab or f["softmax/W"].shape[0]
+            why = f"softmax over {rows} vocabulary tokens × projection_dim {p}"
+            state["softmax.weight"] = torch.from_numpy(r.get("softmax/W", (rows, p), why))
+            state["softmax.bias"] = torch.from_numpy(r.get("softmax/b", (rows,), why))
+    return state
+
+
+def softmax_rows(path: str | Path) -> int | None:
+    """Rows of ``softmax/W`` in a weight file, or None when it has no softmax."""
+    with h5py.File(path, "r") as f:
+        return int(f["softmax/W"].shape[0]) if "softmax/W" in f else None
+
+
+def load_state(model: BiLM, state: dict[str, torch.Tensor]) -> None:
+    """Load a state dict read by ``read_weights``, keeping the frozen forget-gate +1 in each ``bias_hh``."""
+    for lstm_name, lstm in model.named_modules():
+        if isinstance(lstm, torch.nn.LSTM):
+            state[f"{lstm_name}.bias_hh_l0"] = _forget_gate_one(lstm)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise WeightFileError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+def write_weights(model: BiLM, path: str | Path) -> None:
+    """Write bilm-tf's ``weights.hdf5`` layout (plus ``softmax/W``, ``softmax/b`` when present), atomically."""
+    path = Path(path)
+    cfg = model.config
+    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    tmp = path.with_name(path.name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+
+        def put(name: str, value: np.ndarray) -> None:
+            f.create_dataset(name, data=np.ascontiguousarray(value, dtype=np.float32))
+
+        put("char_embed", sd["token_encoder.char_cnn.char_embedding.weight"][1:])
+        for i in range(len(cfg.char_cnn.filters)):
+            put(f"CNN/W_cnn_{i}", sd[f"token_encoder.char_cnn.convs.{i}.weight"].transpose(2, 1, 0)[None])
+            put(f"CNN/b_cnn_{i}", sd[f"token_encoder.char_cnn.convs.{i}.bias"])
+        for k in range(cfg.char_cnn.n_highway):
+            for name in ("carry", "transform"):
+                put(f"CNN_high_{k}/W_{name}", sd[f"token_encoder.highways.{k}.{name}.weight"].T)
+                put(f"CNN_high_{k}/b_{name}", sd[f"token_encoder.highways.{k}.{name}.bias"])
+        if model.token_encoder.projection is not None:
+            put("CNN_proj/W_proj", sd["token_encoder.projection.weight"].T)
+            put("CNN_proj/b_proj", sd["token_encoder.projection.bias"])
+        for direction, side in enumerate(("forward", "backward")):
+            for layer, lstm in enumerate(getattr(model.lstm, f"{side}_layers")):
+                key, prefix = f"lstm.{side}_layers.{layer}", _lstm_prefix(direction, layer)
+                w0 = np.concatenate([sd[f"{key}.weight_ih_l0"], sd[f"{key}.weight_hh_l0"]], axis=1).T
+                bias = sd[f"{key}.bias_ih_l0"]
+                extra = sd[f"{key}.bias_hh_l0"] - _forget_gate_one(lstm).numpy()
+                if extra.any():  # trained models may have moved bias_hh; fold it in (never adds -0.0 to 0.0)
+                    bias = bias + extra
+                put(f"{prefix}/W_0", _reorder_gates(w0, axis=1))
+                put(f"{prefix}/B", _reorder_gates(bias, axis=0))
+                if lstm.proj_size > 0:
+                    put(f"{prefix}/W_P_0", sd[f"{key}.weight_hr_l0"].T)
+        if model.softmax is not None:
+            put("softmax/W", sd["softmax.weight"])
+            put("softmax/b", sd["softmax.bias"])
+    os.replace(tmp, path)
+
+
+def _resolve(options_or_dir: str | Path, weight_file: str | Path | None, vocab_file: str | Path | None) -> tuple[Path, Path, Path | None]:
+    source = Path(options_or_dir)
+    if source.is_dir():
+        options = source / OPTIONS_NAME
+        if weight_file is None:
+            candidates = [source / WEIGHTS_NAME, source / "lm_weights.hdf5"]
+            weight_file = next((c for c in candidates if c.exists()), candidates[0])
+        if vocab_file is None and (source / VOCAB_NAME).exists():
+            vocab_file = source / VOCAB_NAME
+    else:
+        options = source
+        if weight_file is None:
+            raise WeightFileError(f"{source}: give the weight file too, or a model directory")
+    return options, Path(weight_file), Path(vocab_file) if vocab_file is not None else None
+
+
+def load_pretrained(options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None) -> BiLM:
+    """A ``BiLM`` from ``options.json`` + ``weights.hdf5`` (or a directory holding them, + ``vocab.txt``)."""
+    options_path, weight_path, vocab_path = _resolve(options_or_dir, weight_file, vocab_file)
+    config = read_options(options_path)
+    if not weight_path.exists():
+        raise WeightFileError(f"{weight_path}: weight file not found")
+    if config.n_tokens_vocab is None:
+        rows = softmax_rows(weight_path)
+        if rows is not None:
+            config = config.model_copy(update={"n_tokens_vocab": rows})
+    vocab = read_vocab_file(vocab_path) if vocab_path is not None else None
+    model = BiLM(config, vocab=vocab)
+    load_state(model, read_weights(weight_path, config))
+    return model
+
+
+def save_pretrained(model: BiLM, directory: str | Path) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_options(model.config, directory / OPTIONS_NAME)
+    write_weights(model, directory / WEIGHTS_NAME)
+    if model.vocab is not None:
+        write_vocab_file(model.vocab, directory / VOCAB_NAME)
