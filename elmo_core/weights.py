@@ -69,13 +69,7 @@ def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tenso
     cnn, lstm = config.char_cnn, config.lstm
     d_c, n_filters, p, h = cnn.embedding.dim, cnn.n_filters, lstm.projection_dim, lstm.dim
     state: dict[str, torch.Tensor] = {}
-    try:
-        f = h5py.File(path, "r")
-    except FileNotFoundError:
-        raise WeightFileError(f"{path}: weight file not found") from None
-    except OSError as exc:
-        raise WeightFileError(f"{path}: not a readable HDF5 file ({exc})") from None
-    with f:
+    with _open(path) as f:
         r = _Reader(f, path)
         char_embed = r.get("char_embed", (261, d_c), f"261 raw char ids × char_cnn.embedding.dim {d_c}")
         state["token_encoder.char_cnn.char_embedding.weight"] = torch.from_numpy(
@@ -121,9 +115,18 @@ def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tenso
     return state
 
 
+def _open(path: str | Path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except FileNotFoundError:
+        raise WeightFileError(f"{path}: weight file not found") from None
+    except OSError as exc:
+        raise WeightFileError(f"{path}: not a readable HDF5 file ({exc})") from None
+
+
 def softmax_rows(path: str | Path) -> int | None:
     """Rows of ``softmax/W`` in a weight file, or None when it has no softmax."""
-    with h5py.File(path, "r") as f:
+    with _open(path) as f:
         return int(f["softmax/W"].shape[0]) if "softmax/W" in f else None
 
 

@@ -1,0 +1,119 @@
+"""The ``elmo`` command. One subcommand per stage; user errors exit non-zero with one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from elmo_core.errors import ElmoError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
+
+
+def _shared_fixture_model() -> Path | None:
+    """The AllenNLP fixture biLM (TF-trained, tiny) when the shared fixtures sit beside the checkout."""
+    shared = Path(os.environ.get("ELMO_SHARED_DIR", PROJECT_ROOT.parent / "shared"))
+    model = shared / "fixtures" / "allennlp_elmo"
+    return model if (model / "options.json").exists() else None
+
+
+def _cmd_demo(args: argparse.Namespace) -> None:
+    import torch
+
+    from elmo_core import BiLM
+    from elmo_core.config import tiny
+    from elmo_core.model import init_bilm_tf
+
+    log = logging.getLogger("elmo.demo")
+    model_dir = Path(args.model) if args.model else _shared_fixture_model()
+    if model_dir is not None:
+        bilm = BiLM.from_pretrained(str(model_dir), weight_file=str(model_dir / "lm_weights.hdf5") if (model_dir / "lm_weights.hdf5").exists() else None)
+        source = str(model_dir)
+    else:
+        torch.manual_seed(0)
+        fresh = BiLM(tiny())
+        init_bilm_tf(fresh)
+        out = PROJECT_ROOT / "data" / "models" / "random-tiny"
+        fresh.save_pretrained(str(out))
+        bilm = BiLM.from_pretrained(str(out))
+        source = f"{out} (random weights: no trained model given and no shared fixtures found)"
+    log.info("model: %s", source)
+    sentences = [line.split() for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
+    start = time.perf_counter()
+    vectors = bilm.embed_sentences(sentences)
+    elapsed = time.perf_counter() - start
+    n_tokens = sum(len(s) for s in sentences)
+
+    # the polysemy probe: top-layer vectors of every "apple"/苹果 occurrence, compared pairwise
+    hits = [(i, t) for i, s in enumerate(sentences) for t, tok in enumerate(s) if tok.lower().startswith("apple") or tok == "苹果"]
+    print(f"model        {source}")
+    print(f"layers       {bilm.num_layers} x {bilm.output_dim}")
+    print(f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s ({n_tokens / elapsed:,.0f} tokens/s)")
+    if hits:
+        top = np.stack([vectors[i][-1, t] for i, t in hits])
+        top /= np.linalg.norm(top, axis=1, keepdims=True)
+        sims = top @ top.T
+        print("cosine similarity of the top layer between occurrences of apple / 苹果:")
+        labels = [f"s{i}:{sentences[i][t]}" for i, t in hits]
+        width = max(len(label) for label in labels)
+        print(" " * width + "  " + " ".join(f"{j:>5d}" for j in range(len(hits))))
+        for j, label in enumerate(labels):
+            print(f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in sims[j]))
+
+
+def _cmd_info(args: argparse.Namespace) -> None:
+    from elmo_core import BiLM
+
+    bilm = BiLM.from_pretrained(args.model)
+    cfg = bilm.config
+    n_params = sum(p.numel() for n, p in bilm.named_parameters() if not n.endswith("bias_hh_l0") and not n.startswith("softmax"))
+    print(f"{args.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, {cfg.char_cnn.n_filters} filters, "
+          f"{cfg.char_cnn.n_highway} highway, skip={cfg.lstm.use_skip_connections}, clips={cfg.lstm.cell_clip}/{cfg.lstm.proj_clip}, "
+          f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
+          f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="embed the probe sentences and print a summary",
+        description="Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the "
+        "'apple' contexts. Example: elmo demo --model path/to/model_dir",
+    )
+    demo.add_argument("--model", help="model directory (options.json + weights.hdf5); default: the shared fixture model")
+    demo.add_argument("--input", default=str(PROBES), help="whitespace-tokenized sentences, one per line")
+    demo.set_defaults(func=_cmd_demo)
+
+    info = sub.add_parser("info", help="describe a model directory", description="Example: elmo info data/models/my_elmo")
+    info.add_argument("model", help="model directory (options.json + weights.hdf5 [+ vocab.txt])")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        args.func(args)
+    except ElmoError as exc:
+        print(f"elmo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"elmo {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefect flows over elmo_core. Thin: each task is one call into the library."""

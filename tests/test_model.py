@@ -1,0 +1,154 @@
+"""BiLM behaviour: API shapes, stateless independence, stateful carry semantics, fused path, odd input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from elmo_core import BiLM, batch_to_ids
+from elmo_core.config import tiny
+from elmo_core.model import init_bilm_tf, reverse_padded
+
+SENTENCES = [
+    ["I", "ate", "an", "apple", "."],
+    ["苹果", "手机"],
+    ["The", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "today", "."],
+    ["Hi"],
+]
+
+
+@pytest.fixture(scope="module")
+def model(allennlp_dir) -> BiLM:
+    return BiLM.from_pretrained(str(allennlp_dir / "options.json"), str(allennlp_dir / "lm_weights.hdf5"))
+
+
+def _random_model(seed: int = 0, **lstm) -> BiLM:
+    torch.manual_seed(seed)
+    config = tiny()
+    if lstm:
+        config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
+    bilm = BiLM(config)
+    init_bilm_tf(bilm)
+    return bilm.eval()
+
+
+def test_forward_api_shapes(model):
+    with torch.no_grad():
+        out = model(batch_to_ids(SENTENCES))
+    assert len(out["activations"]) == 3
+    for layer in out["activations"]:
+        assert layer.shape == (4, 11, 32)
+    assert out["mask"].tolist()[1] == [True, True] + [False] * 9
+    # padding positions are zero in every layer
+    assert all(float(layer[1, 2:].abs().max()) == 0.0 for layer in out["activations"])
+
+
+def test_keep_boundaries_view(model):
+    out = model(batch_to_ids(SENTENCES), keep_boundaries=True)
+    assert out["activations"][0].shape == (4, 13, 32)
+    assert out["mask"].sum(1).tolist() == [7, 4, 13, 3]
+    stripped = model(batch_to_ids(SENTENCES))["activations"][2]
+    assert torch.allclose(out["activations"][2][0, 1:6], stripped[0, :5])
+
+
+def test_embed_sentences_shapes_unicode_long_and_empty(model):
+    vecs = model.embed_sentences([[], ["苹果", "手机"], ["x" * 500, "é" * 100], ["a"]])
+    assert [v.shape for v in vecs] == [(3, 0, 32), (3, 2, 32), (3, 2, 32), (3, 1, 32)]
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in vecs)
+
+
+def test_stateless_output_does_not_depend_on_the_batch(model):
+    alone = [model.embed_sentences([s])[0] for s in SENTENCES]
+    together = model.embed_sentences(SENTENCES)
+    reordered = model.embed_sentences(SENTENCES[::-1] + [["filler"] * 30], batch_size=2)[:4][::-1]
+    for a, b, c in zip(alone, together, reordered):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(a, c, atol=1e-6)
+    # and it is deterministic
+    again = model.embed_sentences(SENTENCES)
+    assert all(np.array_equal(x, y) for x, y in zip(together, again))
+
+
+def test_stateful_carries_state_per_row(model):
+    a, b = SENTENCES[0], SENTENCES[2]
+    model.reset_states()
+    first = model.embed_sentences([a, b], stateful=True)
+    second = model.embed_sentences([a, b], stateful=True)
+    assert not np.allclose(first[0], second[0], atol=1e-3)  # state changed the second pass
+    np.testing.assert_allclose(first[0][0], second[0][0])  # layer 0 is context-free
+    model.reset_states()
+    np.testing.assert_allclose(model.embed_sentences([a, b], stateful=True)[1], first[1], atol=1e-6)
+
+
+def test_rows_beyond_a_smaller_batch_keep_their_state(model):
+    a, b, c = SENTENCES[0], SENTENCES[2], SENTENCES[1]
+    model.reset_states()
+    model(batch_to_ids([a, b, c]), stateful=True)
+    expected = model(batch_to_ids([a, b, c]), stateful=True)["activations"][2]
+
+    model.reset_states()
+    model(batch_to_ids([a, b, c]), stateful=True)
+    model(batch_to_ids([["Hello", "world"]]), stateful=True)  # touches row 0 only
+    got = model(batch_to_ids([a, b, c]), stateful=True)["activations"][2]
+    assert torch.allclose(got[1:], expected[1:], atol=1e-6)
+    assert not torch.allclose(got[0], expected[0], atol=1e-3)
+
+
+def test_a_larger_batch_starts_new_rows_from_zero(model):
+    model.reset_states()
+    model(batch_to_ids([SENTENCES[0]]), stateful=True)
+    got = model(batch_to_ids([SENTENCES[0], SENTENCES[2]]), stateful=True)["activations"][2][1, :11]
+    fresh = model(batch_to_ids([SENTENCES[2]]))["activations"][2][0]
+    assert torch.allclose(got, fresh, atol=1e-6)
+    model.reset_states()
+
+
+def test_clipping_bounds_the_outputs_without_skip_connections():
+    bilm = _random_model(use_skip_connections=False, proj_clip=0.05, cell_clip=0.1)
+    with torch.no_grad():
+        for name, p in bilm.named_parameters():
+            p.mul_(20.0) if "weight" in name else None
+        out = bilm(batch_to_ids(SENTENCES))["activations"]
+    assert float(out[1].abs().max()) <= 0.05 + 1e-7 and float(out[2].abs().max()) <= 0.05 + 1e-7
+
+
+def test_fused_nn_lstm_path_equals_the_general_path():
+    general = _random_model(seed=3, cell_clip=None, proj_clip=None)
+    assert general.lstm.use_fused  # no clips → fused by default
+    general.lstm.use_fused = False
+    fused = _random_model(seed=4, cell_clip=None, proj_clip=None)
+    fused.load_state_dict(general.state_dict())
+    assert fused.lstm.use_fused
+    batches = [SENTENCES, SENTENCES[:2], [[], ["a", "b", "c"]], SENTENCES[::-1]]
+    with torch.no_grad():
+        for batch in batches:  # stateful, so the carried states are compared too
+            g = general(batch_to_ids(batch), stateful=True)["activations"]
+            f = fused(batch_to_ids(batch), stateful=True)["activations"]
+            for x, y in zip(g, f):
+                assert torch.allclose(x, y, atol=1e-5)
+    for x, y in zip(general._state, fused._state):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_fused_path_refuses_clipping():
+    with pytest.raises(ValueError, match="cannot clip"):
+        BiLM(tiny(), use_fused=True)
+
+
+def test_reverse_padded_is_per_row_and_self_inverse():
+    x = torch.arange(12).view(2, 6, 1).float()
+    lengths = torch.tensor([4, 6])
+    r = reverse_padded(x, lengths)
+    assert r[0, :, 0].tolist() == [3, 2, 1, 0, 4, 5]
+    assert r[1, :, 0].tolist() == [11, 10, 9, 8, 7, 6]
+    assert torch.equal(reverse_padded(r, lengths), x)
+
+
+def test_gradients_flow_in_training_mode():
+    bilm = _random_model().train()
+    out = bilm(batch_to_ids(SENTENCES))["activations"]
+    sum(layer.sum() for layer in out).backward()
+    grads = {n: p.grad for n, p in bilm.named_parameters() if p.requires_grad}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert not bilm.lstm.forward_layers[0].bias_hh_l0.requires_grad  # the constant forget +1
