@@ -42,20 +42,33 @@ def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:
 
 
 def model_flops(config: ModelConfig, sentences: list[list[str]], batch_size: int) -> float:
-    """Multiply-adds × 2 that the model needs: LSTMs over tokens + boundaries, the CNN per distinct word per batch."""
-    p, h, lyr = config.lstm.projection_dim, config.lstm.dim, config.lstm.n_layers
-    per_step = 2 * (p * 4 * h + p * 4 * h + (h * p if p < h else 0))  # input, recurrent, projection
-    lstm = 2 * lyr * per_step * sum(len(s) + 2 for s in sentences)
+    """Floating-point operations the model actually performs, batch by batch as ``embed_sentences`` runs it.
+
+    Per distinct word of a batch: the char CNN over the kept char positions, highway, projection and layer 0's
+    input-to-gates product; per token step (boundaries included): the recurrent and projection products of
+    every layer and the input product of layers >= 1. Element-wise work is not counted.
+    """
+    p, h, n_layers = config.lstm.projection_dim, config.lstm.dim, config.lstm.n_layers
     cnn = config.char_cnn
-    c, d, f = cnn.max_characters_per_token, cnn.embedding.dim, cnn.n_filters
-    per_word = sum(2 * count * width * d * (c - width + 1) for width, count in cnn.filters)
-    per_word += cnn.n_highway * 2 * (2 * f * f) + (2 * f * p if f != p else 0)
+    d, f, max_width = cnn.embedding.dim, cnn.n_filters, max(w for w, _ in cnn.filters)
+    input_gates = 2 * p * 4 * h
+    per_step = 2 * (p * 4 * h + (h * p if p < h else 0))  # recurrent + projection
     ordered = sorted(sentences, key=len)
-    words = sum(len({w for s in ordered[i : i + batch_size] for w in s}) + 2 for i in range(0, len(ordered), batch_size))
-    return float(lstm + per_word * words)
+    total = 0.0
+    for start in range(0, len(ordered), batch_size):
+        batch = ordered[start : start + batch_size]
+        words = {w for s in batch for w in s}
+        n_distinct = len(words) + 2  # + <S>, </S>
+        longest = max(len(w.encode()) for w in words) + 2  # + begin/end-of-word markers
+        kept = min(cnn.max_characters_per_token, longest + max_width)
+        per_word = sum(2 * count * width * d * (kept - width + 1) for width, count in cnn.filters)
+        per_word += cnn.n_highway * 2 * (2 * f * f) + (2 * f * p if f != p else 0) + 2 * input_gates
+        steps = sum(len(s) + 2 for s in batch)
+        total += n_distinct * per_word + steps * 2 * (n_layers * per_step + (n_layers - 1) * input_gates)
+    return total
 
 
-def matmul_roofline(size: int = 2048, repeats: int = 5) -> float:
+def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.matmul(a, b)
     times = []

@@ -99,7 +99,7 @@ class TokenEncoder(nn.Module):
 
 
 def _input_gates(lstm: nn.LSTM, x: Tensor) -> Tensor:
-    return torch.addmm(lstm.bias_ih_l0 + lstm.bias_hh_l0, x, lstm.weight_ih_l0.t())
+    return nn.functional.linear(x, lstm.weight_ih_l0, lstm.bias_ih_l0 + lstm.bias_hh_l0)
 
 
 # oneDNN runs the per-step products (a few dozen rows against a 4H × P weight) about 1.7× faster than the

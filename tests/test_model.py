@@ -152,3 +152,40 @@ def test_gradients_flow_in_training_mode():
     grads = {n: p.grad for n, p in bilm.named_parameters() if p.requires_grad}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert not bilm.lstm.forward_layers[0].bias_hh_l0.requires_grad  # the constant forget +1
+
+
+def test_char_cnn_truncation_keeps_the_max_exact():
+    """The CNN stops after the longest word + the widest filter; the full 50 positions give the same values."""
+    bilm = _random_model(seed=5)
+    cnn = bilm.token_encoder.char_cnn
+    ids = batch_to_ids([["a", "bb", "longer-word", "é" * 5, "<S>"]])[0]
+    with torch.no_grad():
+        fast = cnn(ids)
+        x = cnn.char_embedding(ids).transpose(1, 2)
+        full = torch.cat([cnn.activation(conv(x).amax(-1)) for conv in cnn.convs], -1)
+    assert torch.equal(fast, full)
+
+
+def test_onednn_step_path_equals_the_plain_blas_path(model, monkeypatch):
+    import elmo_core.model as model_module
+
+    ids = batch_to_ids(SENTENCES)
+    with torch.no_grad():
+        fast = model(ids)["activations"]
+        monkeypatch.setattr(model_module, "USE_ONEDNN", False)
+        plain = model(ids)["activations"]
+    for x, y in zip(fast, plain):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_elmo_lstm_rows_of_length_zero_keep_their_state():
+    bilm = _random_model(seed=6)
+    lstm = bilm.lstm
+    x = torch.randn(3, 4, 16)
+    state = tuple(torch.randn_like(s) for s in lstm.zero_state(3, torch.device("cpu")))
+    with torch.no_grad():
+        outputs, (h, c) = lstm((x, x), torch.tensor([4, 0, 2]), state)
+    assert torch.equal(h[:, :, 1], state[0][:, :, 1]) and torch.equal(c[:, :, 1], state[1][:, :, 1])
+    assert not torch.allclose(h[:, :, 0], state[0][:, :, 0])
+    assert all(float(out[1].abs().max()) == 0.0 for pair in outputs for out in pair)
+    assert all(float(out[2, 2:].abs().max()) == 0.0 for pair in outputs for out in pair)
