@@ -80,6 +80,35 @@ def _cmd_info(args: argparse.Namespace) -> None:
           f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}")
 
 
+def _cmd_ingest(args: argparse.Namespace) -> None:
+    from elmo_core.ingest import IngestConfig, ingest
+
+    config = IngestConfig(
+        sources=args.sources, out=args.out, tokenizer=args.tokenizer, split_sentences=args.split_sentences,
+        text_field=args.text_field, text_column=args.text_column, heldout_fraction=args.heldout_fraction,
+        max_tokens=args.max_tokens, dedup=not args.no_dedup, memory_limit=args.memory_limit,
+    )
+    summary = ingest(config)
+    for problem in summary.warnings:
+        print(f"warning: {problem}", file=sys.stderr)
+    for error in summary.errors:
+        print(f"error: {error}", file=sys.stderr)
+    print(summary.line() + f" -> {args.out}")
+    if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
+        raise ElmoError(f"no input could be ingested ({summary.files_failed} failed)")
+
+
+def _cmd_vocab(args: argparse.Namespace) -> None:
+    from elmo_core.vocab import VocabConfig, build_vocab
+
+    config = VocabConfig(corpus=args.corpus, db=args.db, min_count=args.min_count, max_size=args.max_size,
+                         vocab_file=args.vocab_file, memory_limit=args.memory_limit)
+    stats = build_vocab(config)
+    vocab_txt = Path(args.db).with_name("vocab.txt")
+    print(f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens ({stats['train_types']:,} types); "
+          f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {args.db}, {vocab_txt}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -94,6 +123,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="model directory (options.json + weights.hdf5); default: the shared fixture model")
     demo.add_argument("--input", default=str(PROBES), help="whitespace-tokenized sentences, one per line")
     demo.set_defaults(func=_cmd_demo)
+
+    ing = sub.add_parser(
+        "ingest",
+        help="corpus files -> tokenized, deduplicated Parquet",
+        description="Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL "
+        "or Parquet files, folders or globs; write OUT/part-*.parquet and OUT/manifest.duckdb. Re-running skips "
+        "files already ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest",
+    )
+    ing.add_argument("sources", nargs="+", help="files, folders or glob patterns")
+    ing.add_argument("--out", required=True, help="output dataset folder")
+    ing.add_argument("--tokenizer", choices=["whitespace", "unicode", "chinese"], default="whitespace")
+    ing.add_argument("--split-sentences", action="store_true", help="text holds paragraphs: split them into sentences")
+    ing.add_argument("--text-field", default="text", help="JSONL field with the text (default: text)")
+    ing.add_argument("--text-column", default="text", help="Parquet column with the text (default: text)")
+    ing.add_argument("--heldout-fraction", type=float, default=0.01, help="share of sentences held out (default 0.01)")
+    ing.add_argument("--max-tokens", type=int, default=250, help="split longer sentences (default 250)")
+    ing.add_argument("--no-dedup", action="store_true", help="keep exact duplicate sentences")
+    ing.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default 2GB)")
+    ing.set_defaults(func=_cmd_ingest)
+
+    voc = sub.add_parser(
+        "vocab",
+        help="vocabulary, char ids and token ids in DuckDB",
+        description="Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, "
+        "corpus_stats to --db, vocab.txt beside it, and token ids per split under token_ids/. "
+        "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3",
+    )
+    voc.add_argument("--corpus", required=True, help="ingested dataset folder")
+    voc.add_argument("--db", required=True, help="DuckDB file to write")
+    voc.add_argument("--min-count", type=int, default=1)
+    voc.add_argument("--max-size", type=int, default=None, help="at most this many entries (specials included)")
+    voc.add_argument("--vocab-file", default=None, help="import an existing bilm-tf vocab.txt instead")
+    voc.add_argument("--memory-limit", default="4GB")
+    voc.set_defaults(func=_cmd_vocab)
 
     info = sub.add_parser("info", help="describe a model directory", description="Example: elmo info data/models/my_elmo")
     info.add_argument("model", help="model directory (options.json + weights.hdf5 [+ vocab.txt])")

@@ -1,10 +1,18 @@
-"""Word-vocabulary files in bilm-tf's ``vocab.txt`` format: UTF-8, one token per line, id = line number."""
+"""The word vocabulary: bilm-tf ``vocab.txt`` files, the DuckDB vocab/char-id tables, and token ids per split."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
 from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN
 from elmo_core.errors import ConfigError
@@ -39,3 +47,175 @@ def check_training_vocab(tokens: list[str], source: str) -> None:
     """bilm-tf training needs ``<S>``, ``</S>``, ``<UNK>`` first (the sampler assumes id order = frequency)."""
     if tokens[:3] != [BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]:
         raise ConfigError(f"{source}: a training vocabulary must start with <S>, </S>, <UNK>; found {tokens[:3]}")
+
+
+# ----- the vocabulary in DuckDB -------------------------------------------------------------------------
+#
+# Tables in FILE.duckdb, built by SQL over the ingested Parquet (never a Python loop over the corpus):
+#   token_counts(token, count)         every train-split token
+#   vocab(id, token, count)            <S>=0, </S>=1, <UNK>=2, then by count desc, token asc (deterministic)
+#   char_ids(id, token, chars INTEGER[50])   bilm-tf raw char ids (0..260) of every vocab entry
+#   corpus_stats(...)                  one row: sentences, tokens, types, heldout tokens and OOV rate
+
+COUNT_TOKENS = """
+CREATE OR REPLACE TABLE token_counts AS
+SELECT token, count(*)::BIGINT AS count
+FROM (SELECT unnest(tokens) AS token FROM read_parquet($shards) WHERE split = 'train')
+GROUP BY token
+"""
+BUILD_VOCAB = """
+CREATE OR REPLACE TABLE vocab AS
+WITH specials(id, token) AS (VALUES (0, '<S>'), (1, '</S>'), (2, '<UNK>')),
+ranked AS (
+    SELECT token, count FROM token_counts
+    WHERE count >= $min_count AND token NOT IN ('<S>', '</S>', '<UNK>')
+    ORDER BY count DESC, token ASC
+    LIMIT $max_words
+)
+SELECT s.id, s.token, CASE s.id WHEN 2 THEN 0 ELSE (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train') END::BIGINT AS count
+FROM specials s
+UNION ALL
+SELECT (row_number() OVER (ORDER BY count DESC, token ASC) + 2)::INTEGER AS id, token, count FROM ranked
+ORDER BY id
+"""
+SET_UNK_COUNT = """
+UPDATE vocab SET count = (SELECT coalesce(sum(c.count), 0) FROM token_counts c ANTI JOIN vocab v USING (token)) WHERE id = 2
+"""
+IMPORT_VOCAB = """
+CREATE OR REPLACE TABLE vocab AS
+SELECT i.id::INTEGER AS id, i.token, coalesce(c.count, 0)::BIGINT AS count
+FROM imported i LEFT JOIN token_counts c USING (token) ORDER BY i.id
+"""
+CORPUS_STATS = """
+CREATE OR REPLACE TABLE corpus_stats AS
+WITH heldout AS (SELECT unnest(tokens) AS token FROM read_parquet($shards) WHERE split = 'heldout'),
+counts AS (
+    SELECT
+        (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train')::BIGINT AS train_sentences,
+        (SELECT coalesce(sum(count), 0) FROM token_counts)::BIGINT AS train_tokens,
+        (SELECT count(*) FROM token_counts)::BIGINT AS train_types,
+        (SELECT count(*) FROM vocab)::BIGINT AS vocab_size,
+        (SELECT count(*) FROM read_parquet($shards) WHERE split = 'heldout')::BIGINT AS heldout_sentences,
+        (SELECT count(*) FROM heldout)::BIGINT AS heldout_tokens,
+        (SELECT count(*) FROM heldout h ANTI JOIN vocab v USING (token))::BIGINT AS heldout_oov_tokens
+)
+SELECT *, coalesce(heldout_oov_tokens / nullif(heldout_tokens, 0), 0.0)::DOUBLE AS heldout_oov_rate FROM counts
+"""
+CREATE_CHAR_IDS = "CREATE OR REPLACE TABLE char_ids (id INTEGER, token VARCHAR, chars INTEGER[50])"
+INSERT_CHAR_IDS = "INSERT INTO char_ids SELECT id, token, chars::INTEGER[50] FROM char_rows"
+SELECT_VOCAB = "SELECT token FROM vocab ORDER BY id"
+
+
+class VocabConfig(BaseModel):
+    """Options of ``elmo vocab``; the Prefect flow takes the same object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    corpus: str = Field(description="an ingested dataset folder (part-*.parquet)")
+    db: str = Field(description="DuckDB file to write (vocab, char_ids, token_counts, corpus_stats)")
+    min_count: int = Field(1, ge=1, description="drop words seen fewer times in the train split")
+    max_size: int | None = Field(None, gt=3, description="at most this many entries, specials included")
+    vocab_file: str | None = Field(None, description="import this vocab.txt instead (fine-tuning keeps its vocab)")
+    memory_limit: str = Field("4GB", description="DuckDB memory limit")
+    token_ids: bool = Field(True, description="also write token ids per split (what the trainer streams)")
+
+
+def _connect(db: str | Path, memory_limit: str) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(db))
+    con.execute("SET memory_limit = ?", [memory_limit])
+    con.execute("SET temp_directory = ?", [str(Path(db).with_suffix(".tmp"))])
+    return con
+
+
+def build_vocab(config: VocabConfig) -> dict[str, float]:
+    """Count, rank and store the vocabulary and char ids; export vocab.txt beside the DB. Returns corpus_stats."""
+    from elmo_core.ingest import shard_paths
+
+    shards = [str(p) for p in shard_paths(config.corpus)]
+    if not shards:
+        raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
+    db = Path(config.db)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    con = _connect(db, config.memory_limit)
+    try:
+        con.execute(COUNT_TOKENS, {"shards": shards})
+        if config.vocab_file:
+            tokens = read_vocab_file(config.vocab_file)
+            check_training_vocab(tokens, config.vocab_file)
+            imported = pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens})
+            con.register("imported", imported)
+            con.execute(IMPORT_VOCAB)
+            con.unregister("imported")
+        else:
+            max_words = (config.max_size - 3) if config.max_size else 2**62
+            con.execute(BUILD_VOCAB, {"shards": shards, "min_count": config.min_count, "max_words": max_words})
+        con.execute(SET_UNK_COUNT)
+        _store_char_ids(con)
+        con.execute(CORPUS_STATS, {"shards": shards})
+        vocab = [row[0] for row in con.execute(SELECT_VOCAB).fetchall()]
+        stats_row = con.execute("SELECT * FROM corpus_stats").fetchone()
+        names = [d[0] for d in con.description]  # type: ignore[union-attr]
+    finally:
+        con.close()
+    write_vocab_file(vocab, db.with_name("vocab.txt"))
+    stats = dict(zip(names, stats_row))  # type: ignore[arg-type]
+    if config.token_ids:
+        write_token_ids(shards, vocab, db.parent / "token_ids")
+    return stats
+
+
+def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
+    """char_ids from elmo_core.chars (the one place the scheme lives), stored as INTEGER[50] rows."""
+    from elmo_core.chars import tokens_to_char_array
+
+    rows = con.execute("SELECT id, token FROM vocab ORDER BY id").fetchall()
+    ids = [r[0] for r in rows]
+    tokens = [r[1] for r in rows]
+    chars = tokens_to_char_array(tokens, raw=True)
+    flat = pa.array(chars.reshape(-1), pa.int32())
+    table = pa.table({"id": pa.array(ids, pa.int32()), "token": tokens, "chars": pa.FixedSizeListArray.from_arrays(flat, chars.shape[1])})
+    con.execute(CREATE_CHAR_IDS)
+    con.register("char_rows", table)
+    con.execute(INSERT_CHAR_IDS)
+    con.unregister("char_rows")
+
+
+# ----- token ids per split ---------------------------------------------------------------------------------
+
+TOKEN_IDS_SCHEMA = pa.schema([("sentence_id", pa.string()), ("tokens", pa.list_(pa.string())), ("ids", pa.list_(pa.int32()))])
+
+
+def write_token_ids(shards: list[str], vocab: list[str], out: Path, unk_id: int = 2) -> None:
+    """``out/{train,heldout}/part-*.parquet``: each sentence's vocab ids (``<UNK>`` for OOV) beside its tokens.
+
+    The tokens stay because the model always reads characters, OOV words included; the ids are the softmax
+    targets. Lookups are Arrow's hash ``index_in``, streamed one row group at a time.
+    """
+    value_set = pa.array(vocab, pa.string())
+    fingerprint = hashlib.sha256("\n".join(vocab).encode()).hexdigest()
+    marker = out / "VOCAB_SHA256"
+    if out.exists() and (not marker.exists() or marker.read_text().strip() != fingerprint):
+        shutil.rmtree(out)  # ids of another vocabulary
+    for split in ("train", "heldout"):
+        (out / split).mkdir(parents=True, exist_ok=True)
+    marker.write_text(fingerprint + "\n")
+    for shard in shards:
+        name = Path(shard).name
+        targets = {split: out / split / name for split in ("train", "heldout")}
+        if all(t.exists() for t in targets.values()):
+            continue  # already converted (shards never change once written)
+        writers = {split: pq.ParquetWriter(str(t) + ".tmp", TOKEN_IDS_SCHEMA, compression="zstd") for split, t in targets.items()}
+        pf = pq.ParquetFile(shard)
+        for i in range(pf.num_row_groups):
+            group = pf.read_row_group(i, columns=["sentence_id", "tokens", "split"])
+            tokens = group.column("tokens").combine_chunks()
+            ids = pc.fill_null(pc.index_in(tokens.flatten(), value_set=value_set), unk_id).cast(pa.int32())
+            id_lists = pa.ListArray.from_arrays(tokens.offsets, ids)
+            table = pa.table({"sentence_id": group.column("sentence_id"), "tokens": tokens, "ids": id_lists}, schema=TOKEN_IDS_SCHEMA)
+            for split, writer in writers.items():
+                part = table.filter(pc.equal(group.column("split"), split))
+                if part.num_rows:
+                    writer.write_table(part)
+        for split, writer in writers.items():
+            writer.close()
+            os.replace(str(targets[split]) + ".tmp", targets[split])

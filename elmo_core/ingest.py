@@ -1,0 +1,476 @@
+"""Ingest: corpus files (text, .gz/.bz2, JSONL, Parquet) ─► a tokenized, deduplicated Parquet dataset.
+
+Output directory layout:
+
+    OUT/part-<key>.parquet   one shard per input file (zstd, streaming-sized row groups), columns SHARD_SCHEMA
+    OUT/manifest.duckdb      table ``files`` (one row per input file: size, mtime, sha256, counts, status) and
+                             table ``seen`` (64-bit hashes of every kept sentence, for deduplication)
+
+``<key>`` is the first 16 hex digits of the file's sha256, so ids and shard names follow the content.
+A file is processed to a staging Parquet file, deduplicated by DuckDB into ``part-<key>.parquet.tmp``, renamed,
+and only then committed to the manifest: a crash or ``kill -9`` leaves no partial shard, and the next run
+redoes just the file that was in flight. Files already in the manifest are skipped.
+"""
+
+from __future__ import annotations
+
+import bz2
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from elmo_core.errors import ElmoError
+from elmo_core.tokenize import TokenizerName, get_tokenizer, split_sentences
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".text", ".tok", ".tokens")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+COMPRESSED = (".gz", ".bz2")
+MAX_EXAMPLES = 5  # file:line examples kept per problem kind
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("sentence_id", pa.string()),
+        ("text", pa.string()),
+        ("tokens", pa.list_(pa.string())),
+        ("n_tokens", pa.int32()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+    ]
+)
+_STAGING_SCHEMA = SHARD_SCHEMA.append(pa.field("pos", pa.int64())).append(pa.field("hash", pa.int64()))
+
+MANIFEST_DDL = """
+CREATE TABLE IF NOT EXISTS files (
+    sha256 VARCHAR PRIMARY KEY, path VARCHAR, size BIGINT, mtime DOUBLE, format VARCHAR,
+    records BIGINT, sentences BIGINT, duplicates BIGINT, rejected_lines BIGINT, invalid_utf8_lines BIGINT,
+    empty_lines BIGINT, split_long BIGINT, status VARCHAR, error VARCHAR, shard VARCHAR, ingested_at TIMESTAMP
+);
+CREATE TABLE IF NOT EXISTS seen (hash BIGINT);
+"""
+FIND_DONE_BY_STAT = "SELECT sha256 FROM files WHERE path = ? AND size = ? AND mtime = ? AND status = 'done'"
+FIND_BY_SHA = "SELECT status FROM files WHERE sha256 = ?"
+DEDUP_SELECT = """
+SELECT doc_id, sentence_id, text, tokens, n_tokens, source, split FROM read_parquet($staging) s
+WHERE NOT $dedup OR NOT EXISTS (SELECT 1 FROM seen WHERE seen.hash = s.hash)
+QUALIFY NOT $dedup OR row_number() OVER (PARTITION BY s.hash ORDER BY s.pos) = 1
+ORDER BY s.pos
+"""
+REMEMBER_HASHES = """
+INSERT INTO seen SELECT DISTINCT hash FROM read_parquet($staging) s
+WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.hash = s.hash)
+"""
+UPSERT_FILE = """
+INSERT OR REPLACE INTO files VALUES ($sha256, $path, $size, $mtime, $format, $records, $sentences, $duplicates,
+    $rejected_lines, $invalid_utf8_lines, $empty_lines, $split_long, $status, $error, $shard, now())
+"""
+
+
+class IngestConfig(BaseModel):
+    """Options of ``elmo ingest``; the Prefect flow takes the same object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[str] = Field(description="files, folders (recursive) or glob patterns")
+    out: str = Field(description="output dataset folder")
+    tokenizer: TokenizerName = "whitespace"
+    split_sentences: bool = Field(False, description="inputs hold paragraphs (blank-line separated); split them")
+    text_field: str = Field("text", description="JSONL: the field holding the text")
+    text_column: str = Field("text", description="Parquet: the column holding the text")
+    heldout_fraction: float = Field(0.01, ge=0.0, le=1.0, description="share of sentences for the heldout split")
+    max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
+    dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
+    memory_limit: str = Field("2GB", description="DuckDB memory limit")
+    row_group_size: int = Field(50_000, gt=0, description="rows per Parquet row group (the streaming unit)")
+
+
+@dataclass
+class FileStats:
+    path: str
+    format: str
+    records: int = 0
+    sentences: int = 0
+    duplicates: int = 0
+    rejected_lines: int = 0
+    invalid_utf8_lines: int = 0
+    empty_lines: int = 0
+    split_long: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def example(self, where: str, what: str) -> None:
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {what}")
+
+
+@dataclass
+class IngestSummary:
+    files_ingested: int = 0
+    files_skipped: int = 0
+    files_failed: int = 0
+    bytes_read: int = 0
+    sentences: int = 0
+    tokens: int = 0
+    duplicates: int = 0
+    rejected_lines: int = 0
+    invalid_utf8_lines: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        mb = self.bytes_read / 1e6
+        return (
+            f"ingest: {self.files_ingested} files ingested, {self.files_skipped} unchanged, {self.files_failed} failed; "
+            f"{self.sentences:,} sentences, {self.tokens:,} tokens, {self.duplicates:,} duplicates dropped, "
+            f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8; "
+            f"{mb:,.1f} MB in {self.seconds:.1f} s ({mb / max(self.seconds, 1e-9):,.1f} MB/s)"
+        )
+
+
+class BinaryFileError(ElmoError):
+    """A file that holds NUL bytes is not a text corpus."""
+
+
+# ----- finding and reading inputs -------------------------------------------------------------------
+
+
+def file_format(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in COMPRESSED:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return "text"
+
+
+def find_inputs(sources: list[str]) -> list[Path]:
+    """Files named by ``sources`` (files, folders searched recursively, glob patterns), sorted, unique."""
+    found: list[Path] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            found.extend(p for p in sorted(path.rglob("*")) if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
+        else:
+            matches = sorted(Path(m) for m in glob.glob(source, recursive=True) if Path(m).is_file())
+            if not matches:
+                raise ElmoError(f"{source}: no such file, folder or matching glob")
+            found.extend(matches)
+    unique: dict[Path, None] = {}
+    for p in found:
+        unique.setdefault(p.resolve(), None)
+    return list(unique)
+
+
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if name.endswith(".bz2"):
+        return bz2.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def _text_lines(path: Path, stats: FileStats, chunk_bytes: int = 1 << 23) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of a text file, decoded as UTF-8 (invalid bytes replaced and counted)."""
+    line_no = 0
+    offset = 0
+    carry = b""
+    with _open_binary(path) as f:
+        while True:
+            block = f.read(chunk_bytes)
+            if not block and not carry:
+                return
+            data = carry + block
+            if block:
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:
+                    carry = data
+                    continue
+                data, carry = data[:cut], data[cut:]
+            else:
+                carry = b""
+            nul = data.find(b"\x00")
+            if nul >= 0:
+                at_line = line_no + data.count(b"\n", 0, nul) + 1
+                raise BinaryFileError(
+                    f"{path}: NUL byte at byte {offset + nul} (line {at_line}): "
+                    "a binary file, not UTF-8 text (convert UTF-16 text to UTF-8 first)"
+                )
+            offset += len(data)
+            try:
+                lines = data.decode("utf-8").split("\n")
+            except UnicodeDecodeError:
+                lines = []
+                for i, raw in enumerate(data.split(b"\n")):
+                    try:
+                        lines.append(raw.decode("utf-8"))
+                    except UnicodeDecodeError as exc:
+                        stats.invalid_utf8_lines += 1
+                        stats.example(f"{path}:{line_no + i + 1}", f"invalid UTF-8 at byte {exc.start} of the line, replaced")
+                        lines.append(raw.decode("utf-8", "replace"))
+            if data.endswith(b"\n"):
+                lines.pop()  # the empty string after the last newline
+            for line in lines:
+                line_no += 1
+                yield line_no, line
+
+
+def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str]]:
+    """(record position, text) of one input file; a record is a line, a paragraph, a JSON object or a row."""
+    if fmt == "parquet":
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise ElmoError(f"{path}: not a readable Parquet file ({exc})") from None
+        if config.text_column not in pf.schema_arrow.names:
+            raise ElmoError(f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text-column")
+        row = 0
+        for batch in pf.iter_batches(columns=[config.text_column], batch_size=65_536):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(value, str):
+                    stats.rejected_lines += 1
+                    stats.example(f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text")
+                    continue
+                yield f"r{row}", value
+        return
+    if fmt == "jsonl":
+        for line_no, line in _text_lines(path, stats):
+            if not line.strip():
+                stats.empty_lines += 1
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                stats.rejected_lines += 1
+                stats.example(f"{path}:{line_no}", f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            value = obj.get(config.text_field) if isinstance(obj, dict) else None
+            if not isinstance(value, str):
+                stats.rejected_lines += 1
+                stats.example(f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field")
+                continue
+            yield f"l{line_no}", value
+        return
+    if not config.split_sentences:
+        for line_no, line in _text_lines(path, stats):
+            if line.strip():
+                yield f"l{line_no}", line
+            else:
+                stats.empty_lines += 1
+        return
+    paragraph: list[str] = []
+    start = 0
+    for line_no, line in _text_lines(path, stats):
+        if line.strip():
+            if not paragraph:
+                start = line_no
+            paragraph.append(line.strip())
+        else:
+            stats.empty_lines += 1
+            if paragraph:
+                yield f"l{start}", " ".join(paragraph)
+                paragraph = []
+    if paragraph:
+        yield f"l{start}", " ".join(paragraph)
+
+
+def sentence_hash(tokens: list[str]) -> int:
+    """Signed 64-bit hash of a token sequence: the dedup key, and (other bits) the split draw."""
+    return int.from_bytes(hashlib.blake2b("\x1f".join(tokens).encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little", signed=True)
+
+
+def _split_of(h: int, heldout_fraction: float) -> str:
+    return "heldout" if ((h >> 20) & 0xFFFFF) < heldout_fraction * 0x100000 else "train"
+
+
+# ----- one file ---------------------------------------------------------------------------------------
+
+
+def _stage_file(path: Path, key: str, fmt: str, config: IngestConfig, staging: Path, stats: FileStats) -> int:
+    """Tokenize one file into a staging Parquet file; returns the number of staged sentences."""
+    tokenize = get_tokenizer(config.tokenizer)
+    source = str(path)
+    columns: dict[str, list] = {name: [] for name in _STAGING_SCHEMA.names}
+    pos = 0
+    with pq.ParquetWriter(staging, _STAGING_SCHEMA, compression="lz4") as writer:
+
+        def flush() -> None:
+            if columns["pos"]:
+                writer.write_table(pa.table(columns, schema=_STAGING_SCHEMA), row_group_size=config.row_group_size)
+                for values in columns.values():
+                    values.clear()
+
+        for record, text in _records(path, fmt, config, stats):
+            stats.records += 1
+            doc_id = f"{key}:{record}"
+            pieces = split_sentences(text) if config.split_sentences else [text]
+            k = 0
+            for piece in pieces:
+                tokens = tokenize(piece)
+                if not tokens:
+                    continue
+                chunks = [tokens[i : i + config.max_tokens] for i in range(0, len(tokens), config.max_tokens)]
+                if len(chunks) > 1:
+                    stats.split_long += 1
+                for chunk in chunks:
+                    h = sentence_hash(chunk)
+                    columns["doc_id"].append(doc_id)
+                    columns["sentence_id"].append(f"{doc_id}:{k}")
+                    columns["text"].append(piece if len(chunks) == 1 else " ".join(chunk))
+                    columns["tokens"].append(chunk)
+                    columns["n_tokens"].append(len(chunk))
+                    columns["source"].append(source)
+                    columns["split"].append(_split_of(h, config.heldout_fraction))
+                    columns["pos"].append(pos)
+                    columns["hash"].append(h)
+                    pos += 1
+                    k += 1
+            if len(columns["pos"]) >= config.row_group_size:
+                flush()
+        flush()
+    return pos
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_paths(out: str | Path) -> list[Path]:
+    """The committed-or-complete shards of a dataset (never ``.tmp`` files)."""
+    return sorted(Path(out).glob("part-*.parquet"))
+
+
+def open_manifest(out: Path, memory_limit: str = "2GB") -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(str(out / "manifest.duckdb"))
+    con.execute("SET memory_limit = ?", [memory_limit])
+    con.execute("SET temp_directory = ?", [str(out / "_duckdb_tmp")])
+    con.execute(MANIFEST_DDL)
+    return con
+
+
+def ingest(config: IngestConfig) -> IngestSummary:
+    """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts."""
+    started = time.perf_counter()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    staging_dir = out / "_staging"
+    staging_dir.mkdir(exist_ok=True)
+    for stale in [*staging_dir.glob("*"), *out.glob("part-*.tmp")]:
+        stale.unlink()  # left by an interrupted run
+    get_tokenizer(config.tokenizer)  # fail before any work if the tokenizer is unavailable
+    inputs = find_inputs(config.sources)
+    summary = IngestSummary()
+    con = open_manifest(out, config.memory_limit)
+    try:
+        for n, path in enumerate(inputs, 1):
+            stat = path.stat()
+            if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
+                summary.files_skipped += 1
+                continue
+            sha = _sha256(path)
+            row = con.execute(FIND_BY_SHA, [sha]).fetchall()
+            if row and row[0][0] == "done":
+                summary.files_skipped += 1
+                continue
+            key = sha[:16]
+            fmt = file_format(path)
+            stats = FileStats(str(path), fmt)
+            shard = out / f"part-{key}.parquet"
+            shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
+            log.info("[%d/%d] %s (%s, %.1f MB)", n, len(inputs), path, fmt, stat.st_size / 1e6)
+            staging = staging_dir / f"{key}.parquet"
+            try:
+                staged = _stage_file(path, key, fmt, config, staging, stats)
+            except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
+                staging.unlink(missing_ok=True)
+                summary.files_failed += 1
+                summary.errors.append(str(exc))
+                log.error("%s", exc)
+                con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "failed", str(exc), None))
+                continue
+            kept = _commit_file(con, config, staging, shard, sha, path, stat, stats, staged)
+            staging.unlink(missing_ok=True)
+            summary.files_ingested += 1
+            summary.bytes_read += stat.st_size
+            summary.sentences += kept
+            summary.tokens += _token_count(shard) if kept else 0
+            summary.duplicates += stats.duplicates
+            summary.rejected_lines += stats.rejected_lines
+            summary.invalid_utf8_lines += stats.invalid_utf8_lines
+            for example in stats.examples:
+                summary.warnings.append(example)
+                log.warning("%s", example)
+    finally:
+        con.close()
+    summary.seconds = time.perf_counter() - started
+    log.info("%s", summary.line())
+    return summary
+
+
+def _token_count(shard: Path) -> int:
+    table = pq.read_table(shard, columns=["n_tokens"])
+    return int(pc.sum(table.column(0)).as_py() or 0)
+
+
+def _file_row(sha: str, path: Path, stat: os.stat_result, stats: FileStats, status: str, error: str | None, shard: str | None) -> dict:
+    return {
+        "sha256": sha, "path": str(path), "size": stat.st_size, "mtime": stat.st_mtime, "format": stats.format,
+        "records": stats.records, "sentences": stats.sentences, "duplicates": stats.duplicates,
+        "rejected_lines": stats.rejected_lines, "invalid_utf8_lines": stats.invalid_utf8_lines,
+        "empty_lines": stats.empty_lines, "split_long": stats.split_long, "status": status, "error": error, "shard": shard,
+    }
+
+
+def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, staging: Path, shard: Path, sha: str, path: Path,
+                 stat: os.stat_result, stats: FileStats, staged: int) -> int:
+    """Dedup the staged rows into the shard (tmp, then rename), then record hashes and the file in one transaction."""
+    params = {"staging": str(staging), "dedup": config.dedup}
+    tmp = shard.with_name(shard.name + ".tmp")
+    if staged:
+        con.sql(DEDUP_SELECT, params=params).write_parquet(str(tmp), compression="zstd", row_group_size=config.row_group_size)
+        kept = pq.ParquetFile(tmp).metadata.num_rows
+    else:
+        kept = 0
+    stats.sentences, stats.duplicates = kept, staged - kept
+    con.execute("BEGIN TRANSACTION")
+    try:
+        if staged:
+            if config.dedup:
+                con.execute(REMEMBER_HASHES, {"staging": str(staging)})
+            if kept:
+                os.replace(tmp, shard)
+            else:
+                tmp.unlink()
+        con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if kept else None))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return kept
