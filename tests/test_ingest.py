@@ -1,0 +1,189 @@
+"""Ingest: formats, tokenizers, dedup, the manifest, and every kind of bad input (real files, real DuckDB)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_core.ingest import SHARD_SCHEMA, IngestConfig, ingest, shard_paths
+from elmo_core.tokenize import split_sentences, unicode_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _rows(out: Path) -> list[dict]:
+    return [row for shard in shard_paths(out) for row in pq.read_table(shard).to_pylist()]
+
+
+def _manifest(out: Path) -> list[dict]:
+    con = duckdb.connect(str(out / "manifest.duckdb"), read_only=True)
+    try:
+        cur = con.execute("SELECT * FROM files ORDER BY path")
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r)) for r in cur.fetchall()]
+    finally:
+        con.close()
+
+
+def test_text_gz_bz2_jsonl_parquet_and_folders(tmp_path):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("the cat sat .\nthe dog ran .\n")
+    with gzip.open(src / "b.txt.gz", "wt") as f:
+        f.write("a gzipped line .\n")
+    with bz2.open(src / "sub" / "c.txt.bz2", "wt") as f:
+        f.write("a bzipped line .")  # no trailing newline
+    (src / "d.jsonl").write_text(json.dumps({"body": "json text here ."}) + "\n")
+    pq.write_table(pa.table({"content": ["parquet row one .", "parquet row two ."]}), src / "e.parquet")
+    summary = ingest(IngestConfig(sources=[str(src)], out=str(tmp_path / "out"), text_field="body", text_column="content", heldout_fraction=0.0))
+    assert (summary.files_ingested, summary.files_failed, summary.sentences) == (5, 0, 7)
+    rows = _rows(tmp_path / "out")
+    assert {r["text"] for r in rows} >= {"the cat sat .", "a bzipped line .", "json text here .", "parquet row two ."}
+    assert all(r["split"] == "train" and r["n_tokens"] == len(r["tokens"]) for r in rows)
+    assert pq.read_schema(shard_paths(tmp_path / "out")[0]).names == SHARD_SCHEMA.names
+    ids = [r["sentence_id"] for r in rows]
+    assert len(set(ids)) == len(ids)
+
+
+def test_glob_sources_and_missing_source(tmp_path):
+    (tmp_path / "x1.txt").write_text("one .\n")
+    (tmp_path / "x2.txt").write_text("two .\n")
+    summary = ingest(IngestConfig(sources=[str(tmp_path / "x*.txt")], out=str(tmp_path / "out")))
+    assert summary.files_ingested == 2
+    from elmo_core.errors import ElmoError
+
+    with pytest.raises(ElmoError, match="no such file, folder or matching glob"):
+        ingest(IngestConfig(sources=[str(tmp_path / "nothing*.txt")], out=str(tmp_path / "out")))
+
+
+def test_rerun_adds_nothing_and_a_new_file_is_ingested_alone(tmp_path):
+    (tmp_path / "a.txt").write_text("first file .\n")
+    config = IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "out"))
+    assert ingest(config).files_ingested == 1
+    again = ingest(config)
+    assert (again.files_ingested, again.files_skipped, again.sentences) == (0, 1, 0)
+    (tmp_path / "b.txt").write_text("second file .\n")
+    more = ingest(IngestConfig(sources=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], out=str(tmp_path / "out")))
+    assert (more.files_ingested, more.files_skipped) == (1, 1)
+    assert len(_rows(tmp_path / "out")) == 2
+    manifest = _manifest(tmp_path / "out")
+    assert [m["status"] for m in manifest] == ["done", "done"]
+    assert all(len(m["sha256"]) == 64 and m["sentences"] == 1 for m in manifest)
+
+
+def test_duplicates_dropped_across_files_and_runs_or_kept(tmp_path):
+    (tmp_path / "a.txt").write_text("same line .\nsame line .\nother line .\n")
+    (tmp_path / "b.txt").write_text("same line .\nnew line .\n")
+    summary = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "out")))
+    assert (summary.sentences, summary.duplicates) == (2, 1)
+    summary = ingest(IngestConfig(sources=[str(tmp_path / "b.txt")], out=str(tmp_path / "out")))
+    assert (summary.sentences, summary.duplicates) == (1, 1)
+    kept = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "all"), dedup=False))
+    assert (kept.sentences, kept.duplicates) == (3, 0)
+
+
+def test_bad_input_is_counted_and_named_while_other_files_go_on(tmp_path):
+    (tmp_path / "good.txt").write_text("fine line .\n\n\n   \nanother fine line .\n")
+    (tmp_path / "bad_utf8.txt").write_bytes(b"ok line .\nbroken \xff\xfe here .\nok again .\n")
+    (tmp_path / "binary.txt").write_bytes(b"text\n\x00\x01\x02 binary\n")
+    (tmp_path / "utf16.txt").write_bytes("hello world\n".encode("utf-16"))
+    (tmp_path / "records.jsonl").write_text('{"text": "good record ."}\n{bad json\n{"other": 3}\n["a list"]\n')
+    summary = ingest(IngestConfig(sources=[str(tmp_path)], out=str(tmp_path / "out")))
+    assert summary.files_failed == 2 and summary.files_ingested == 3
+    assert any("binary.txt: NUL byte at byte 5 (line 2)" in e for e in summary.errors)
+    assert any("utf16.txt" in e and "UTF-16" in e for e in summary.errors)
+    assert summary.invalid_utf8_lines == 1
+    assert any(w.startswith(f"{tmp_path}/bad_utf8.txt:2: invalid UTF-8") for w in summary.warnings)
+    assert summary.rejected_lines == 3
+    assert any(w.startswith(f"{tmp_path}/records.jsonl:2: invalid JSON") for w in summary.warnings)
+    assert any(w.startswith(f"{tmp_path}/records.jsonl:3: field 'text' missing") for w in summary.warnings)
+    texts = {r["text"] for r in _rows(tmp_path / "out")}
+    assert "broken \ufffd\ufffd here ." in texts and "good record ." in texts
+    manifest = {Path(m["path"]).name: m for m in _manifest(tmp_path / "out")}
+    assert manifest["binary.txt"]["status"] == "failed" and "NUL byte" in manifest["binary.txt"]["error"]
+    assert manifest["good.txt"]["empty_lines"] == 3 and manifest["good.txt"]["sentences"] == 2
+
+
+def test_missing_parquet_column_is_named(tmp_path):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
+    summary = ingest(IngestConfig(sources=[str(tmp_path / "t.parquet")], out=str(tmp_path / "out")))
+    assert summary.files_failed == 1 and "no column 'text' (columns: body); use --text-column" in summary.errors[0]
+
+
+def test_long_sentences_are_split_and_long_tokens_kept(tmp_path):
+    giant = "x" * 5000
+    (tmp_path / "a.txt").write_text(" ".join(f"w{i}" for i in range(25)) + f" {giant}\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "out"), max_tokens=10))
+    rows = _rows(tmp_path / "out")
+    assert [r["n_tokens"] for r in rows] == [10, 10, 6]
+    assert rows[-1]["tokens"][-1] == giant
+    assert [r["sentence_id"].rsplit(":", 1)[1] for r in rows] == ["0", "1", "2"]
+    assert len({r["doc_id"] for r in rows}) == 1
+
+
+def test_split_is_stable_and_near_the_fraction(tmp_path):
+    (tmp_path / "a.txt").write_text("".join(f"sentence number {i} .\n" for i in range(4000)))
+    ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "o1"), heldout_fraction=0.1))
+    ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "o2"), heldout_fraction=0.1))
+    s1 = {r["sentence_id"]: r["split"] for r in _rows(tmp_path / "o1")}
+    s2 = {r["sentence_id"]: r["split"] for r in _rows(tmp_path / "o2")}
+    assert s1 == s2
+    share = sum(v == "heldout" for v in s1.values()) / len(s1)
+    assert 0.08 < share < 0.12
+
+
+def test_tokenizers_and_sentence_splitting(tmp_path):
+    assert unicode_tokens("Don't pay $3.50 at https://x.org/a?b=1, e-mail a.b@c.com!") == [
+        "Don't", "pay", "$", "3.50", "at", "https://x.org/a?b=1", ",", "e-mail", "a.b@c.com", "!"]
+    assert split_sentences("It rained. Then it stopped! Did it? 天晴了。我们走吧") == ["It rained.", "Then it stopped!", "Did it?", "天晴了。", "我们走吧"]
+    (tmp_path / "zh.txt").write_text("我喜欢吃苹果。\n苹果发布了新手机。\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "zh.txt")], out=str(tmp_path / "out"), tokenizer="chinese"))
+    tokens = [r["tokens"] for r in _rows(tmp_path / "out")]
+    assert all("苹果" in t for t in tokens)
+    (tmp_path / "para.txt").write_text("First one. Second one.\nStill second.\n\nThird paragraph here.\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "para.txt")], out=str(tmp_path / "p"), tokenizer="unicode", split_sentences=True))
+    rows = _rows(tmp_path / "p")
+    assert [r["text"] for r in rows] == ["First one.", "Second one.", "Still second.", "Third paragraph here."]
+    assert rows[0]["doc_id"] == rows[2]["doc_id"] != rows[3]["doc_id"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_ingest_leaves_no_partial_shard_and_the_rerun_finishes(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(3):
+        with gzip.open(src / f"big{k}.txt.gz", "wt", compresslevel=1) as f:
+            for i in range(250_000):
+                f.write(f"file {k} line {i} with some words in it .\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "elmo_core.cli", "ingest", str(src), "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("part-*.parquet")):
+        time.sleep(0.05)
+    assert list(out.glob("part-*.parquet")), "the first shard never appeared"
+    time.sleep(0.3)  # now in the middle of a later file
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for shard in out.glob("part-*.parquet"):
+        assert pq.ParquetFile(shard).metadata.num_rows == 250_000  # visible shards are complete
+    done_before = sum(m["status"] == "done" for m in _manifest(out))
+    assert done_before < 3
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{3 - done_before} files ingested, {done_before} unchanged" in rerun.stdout
+    assert len(shard_paths(out)) == 3 and not list(out.glob("*.tmp"))
+    ids = [r for shard in shard_paths(out) for r in pq.read_table(shard, columns=["sentence_id"]).column(0).to_pylist()]
+    assert len(ids) == len(set(ids)) == 750_000
