@@ -7,8 +7,8 @@ Output directory layout:
                              table ``seen`` (64-bit hashes of every kept sentence, for deduplication)
 
 ``<key>`` is the first 16 hex digits of the file's sha256, so ids and shard names follow the content.
-A file is processed to a staging Parquet file, deduplicated by DuckDB into ``part-<key>.parquet.tmp``, renamed,
-and only then committed to the manifest: a crash or ``kill -9`` leaves no partial shard, and the next run
+A file is tokenized and deduplicated (against itself, and against DuckDB's ``seen`` table) into
+``part-<key>.parquet.tmp``, renamed, and only then committed to the manifest: a crash or ``kill -9`` leaves no partial shard, and the next run
 redoes just the file that was in flight. Files already in the manifest are skipped.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -55,7 +56,6 @@ SHARD_SCHEMA = pa.schema(
         ("split", pa.string()),
     ]
 )
-_STAGING_SCHEMA = SHARD_SCHEMA.append(pa.field("pos", pa.int64())).append(pa.field("hash", pa.int64()))
 
 MANIFEST_DDL = """
 CREATE TABLE IF NOT EXISTS files (
@@ -67,16 +67,9 @@ CREATE TABLE IF NOT EXISTS seen (hash BIGINT);
 """
 FIND_DONE_BY_STAT = "SELECT sha256 FROM files WHERE path = ? AND size = ? AND mtime = ? AND status = 'done'"
 FIND_BY_SHA = "SELECT status FROM files WHERE sha256 = ?"
-DEDUP_SELECT = """
-SELECT doc_id, sentence_id, text, tokens, n_tokens, source, split FROM read_parquet($staging) s
-WHERE NOT $dedup OR NOT EXISTS (SELECT 1 FROM seen WHERE seen.hash = s.hash)
-QUALIFY NOT $dedup OR row_number() OVER (PARTITION BY s.hash ORDER BY s.pos) = 1
-ORDER BY s.pos
-"""
-REMEMBER_HASHES = """
-INSERT INTO seen SELECT DISTINCT hash FROM read_parquet($staging) s
-WHERE NOT EXISTS (SELECT 1 FROM seen WHERE seen.hash = s.hash)
-"""
+HASH_SENTENCES = "SELECT md5_number_lower(s) AS h FROM normalized_sentences"
+KNOWN_HASHES = "SELECT n.hash FROM new_hashes n SEMI JOIN seen s ON n.hash = s.hash"
+REMEMBER_HASHES = "INSERT INTO seen SELECT hash FROM new_hashes"
 UPSERT_FILE = """
 INSERT OR REPLACE INTO files VALUES ($sha256, $path, $size, $mtime, $format, $records, $sentences, $duplicates,
     $rejected_lines, $invalid_utf8_lines, $empty_lines, $split_long, $status, $error, $shard, now())
@@ -192,8 +185,9 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
-def _text_lines(path: Path, stats: FileStats, chunk_bytes: int = 1 << 23) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) of a text file, decoded as UTF-8 (invalid bytes replaced and counted)."""
+def _text_blocks(path: Path, stats: FileStats, chunk_bytes: int = 1 << 23) -> Iterator[tuple[int, list[str]]]:
+    """(number of lines before, lines) of a text file, ~8 MB at a time, decoded as UTF-8 (invalid bytes
+    replaced and counted with file:line); NUL bytes reject the file as binary."""
     line_no = 0
     offset = 0
     carry = b""
@@ -232,9 +226,15 @@ def _text_lines(path: Path, stats: FileStats, chunk_bytes: int = 1 << 23) -> Ite
                         lines.append(raw.decode("utf-8", "replace"))
             if data.endswith(b"\n"):
                 lines.pop()  # the empty string after the last newline
-            for line in lines:
-                line_no += 1
-                yield line_no, line
+            yield line_no, lines
+            line_no += len(lines)
+
+
+def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of a text file."""
+    for before, lines in _text_blocks(path, stats):
+        for i, line in enumerate(lines, before + 1):
+            yield i, line
 
 
 def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str]]:
@@ -297,61 +297,174 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
         yield f"l{start}", " ".join(paragraph)
 
 
-def sentence_hash(tokens: list[str]) -> int:
-    """Signed 64-bit hash of a token sequence: the dedup key, and (other bits) the split draw."""
-    return int.from_bytes(hashlib.blake2b("\x1f".join(tokens).encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little", signed=True)
+def sentence_hashes(con: duckdb.DuckDBPyConnection, normalized: pa.Array) -> np.ndarray:
+    """Signed 64-bit keys: the low half of each string's MD5 (a standard, so stable across versions and runs).
+
+    The dedup key, and (other bits) the train/heldout draw. Computed by DuckDB over the Arrow array.
+    """
+    con.register("normalized_sentences", pa.table({"s": normalized}))
+    try:
+        return con.execute(HASH_SENTENCES).fetchnumpy()["h"].view(np.int64)
+    finally:
+        con.unregister("normalized_sentences")
 
 
-def _split_of(h: int, heldout_fraction: float) -> str:
-    return "heldout" if ((h >> 20) & 0xFFFFF) < heldout_fraction * 0x100000 else "train"
+def _splits(hashes: np.ndarray, heldout_fraction: float) -> pa.Array:
+    draw = (hashes.view(np.uint64) >> np.uint64(20)) & np.uint64(0xFFFFF)
+    return pa.array(np.where(draw < heldout_fraction * 0x100000, "heldout", "train"), pa.string())
 
 
-# ----- one file ---------------------------------------------------------------------------------------
+class _ShardWriter:
+    """Collects (record, text) pairs; writes them tokenized and deduplicated to the shard's ``.tmp`` file.
+
+    Dedup is inline: a batch's sentence hashes are checked against this file's earlier hashes (a set) and,
+    with one DuckDB semi-join, against the ``seen`` table of files already committed.
+
+    A record's sentences are numbered k = 0, 1, … (sentence splitting and over-long pieces both count), so
+    ``sentence_id`` = ``<key>:<record>:<k>`` and ``doc_id`` = ``<key>:<record>``.
+    """
+
+    BATCH = 20_000
+
+    def __init__(self, path: Path, key: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats) -> None:
+        self.key, self.config, self.stats, self.source, self.con = key, config, stats, str(path), con
+        self.tokenize = get_tokenizer(config.tokenizer)
+        # zstd level 1 and no dictionary for the mostly-unique columns: writing is most of the cost of ingest
+        self.writer = pq.ParquetWriter(tmp, SHARD_SCHEMA, compression="zstd", compression_level=1,
+                                       use_dictionary=["tokens", "source", "split"])
+        self.records: list[str] = []
+        self.texts: list[str] = []
+        self.kept_hashes: list[np.ndarray] = []
+        self._in_file: set[int] = set()
+
+    def add(self, record: str, text: str) -> None:
+        pieces = split_sentences(text) if self.config.split_sentences else [text]
+        self.records.extend([record] * len(pieces))
+        self.texts.extend(pieces)
+        if len(self.texts) >= self.BATCH:  # only between records: a record never spans two batches
+            self.flush()
+
+    def add_lines(self, before: int, lines: list[str]) -> None:
+        """A block of one-sentence-per-line text, labelled without a Python loop per line."""
+        self.flush()
+        self.stats.records += len(lines)
+        self._write(pa.array(lines, pa.string()), [f"l{n}" for n in range(before + 1, before + len(lines) + 1)], one_per_record=True)
+
+    def flush(self) -> None:
+        if self.texts:
+            texts, records = pa.array(self.texts, pa.string()), self.records
+            self.texts, self.records = [], []
+            self._write(texts, records, one_per_record=not self.config.split_sentences)
+
+    def _write(self, texts: pa.Array, records: list[str], one_per_record: bool) -> None:
+        texts = pc.utf8_trim_whitespace(texts)  # also drops the \r of CRLF files
+        if self.config.tokenizer == "whitespace":
+            tokens = pc.utf8_split_whitespace(texts)  # Arrow's C++ splitter: no Python per sentence
+        else:
+            tokens = pa.array([self.tokenize(t) for t in texts.to_pylist()], pa.list_(pa.string()))
+        counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+        # Arrow splits "" into [""]: a trimmed empty text has no tokens whatever the count says
+        empty = (counts == 0) | (pc.utf8_length(texts).to_numpy(zero_copy_only=False) == 0)
+        if empty.any():  # blank lines, or text without a single token
+            self.stats.empty_lines += int(empty.sum())
+            nonempty = np.flatnonzero(~empty)
+            texts, tokens, counts = texts.take(nonempty), tokens.take(nonempty), counts[nonempty]
+            records = [records[i] for i in nonempty.tolist()]
+        if (counts > self.config.max_tokens).any():
+            texts, tokens, records = self._split_long(texts, tokens, records, counts)
+            counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+            one_per_record = False
+        n = len(records)
+        if not n:
+            return
+        doc_ids = [f"{self.key}:{r}" for r in records]
+        if one_per_record:
+            sentence_ids = [f"{d}:0" for d in doc_ids]
+        else:  # k = 0, 1, … within each record (records arrive contiguous)
+            sentence_ids, k, previous = [], 0, None
+            for d in doc_ids:
+                k = k + 1 if d == previous else 0
+                sentence_ids.append(f"{d}:{k}")
+                previous = d
+        hashes = sentence_hashes(self.con, texts)
+        keep = self._first_seen(hashes) if self.config.dedup else np.ones(n, dtype=bool)
+        self.stats.duplicates += int(n - keep.sum())
+        table = pa.table(
+            {
+                "doc_id": pa.array(doc_ids, pa.string()),
+                "sentence_id": pa.array(sentence_ids, pa.string()),
+                "text": texts,
+                "tokens": tokens,
+                "n_tokens": pa.array(counts.astype(np.int32)),
+                "source": pa.array([self.source] * n, pa.string()),
+                "split": _splits(hashes, self.config.heldout_fraction),
+            },
+            schema=SHARD_SCHEMA,
+        )
+        if not keep.all():
+            table = table.filter(pa.array(keep))
+        if table.num_rows:
+            self.writer.write_table(table, row_group_size=self.config.row_group_size)
+        self.kept_hashes.append(hashes[keep])
+        self.stats.sentences += table.num_rows
+
+    def _first_seen(self, hashes: np.ndarray) -> np.ndarray:
+        """True for the first copy of each hash in this file that no committed file holds."""
+        keep = np.zeros(len(hashes), dtype=bool)
+        keep[np.unique(hashes, return_index=True)[1]] = True  # first in this batch
+        candidates = hashes[keep]
+        self.con.register("new_hashes", pa.table({"hash": candidates}))
+        try:
+            known = self.con.execute(KNOWN_HASHES).fetchnumpy()["hash"]
+        finally:
+            self.con.unregister("new_hashes")
+        in_file = self._in_file
+        fresh = ~np.isin(candidates, known) & ~np.fromiter(map(in_file.__contains__, candidates.tolist()), bool, len(candidates))
+        in_file.update(candidates[fresh].tolist())
+        keep[keep] = fresh
+        return keep
+
+    def _split_long(self, texts: pa.Array, tokens: pa.Array, records: list[str], counts: np.ndarray) -> tuple[pa.Array, pa.Array, list[str]]:
+        """Split rows longer than ``max_tokens`` into pieces, each a sentence of its own (rare: plain Python)."""
+        limit = self.config.max_tokens
+        out_texts: list[str] = []
+        out_tokens: list[list[str]] = []
+        out_records: list[str] = []
+        for text, toks, record, count in zip(texts.to_pylist(), tokens.to_pylist(), records, counts):
+            if count <= limit:
+                out_texts.append(text)
+                out_tokens.append(toks)
+                out_records.append(record)
+                continue
+            self.stats.split_long += 1
+            for start in range(0, count, limit):
+                piece = toks[start : start + limit]
+                out_texts.append(" ".join(piece))
+                out_tokens.append(piece)
+                out_records.append(record)
+        return pa.array(out_texts, pa.string()), pa.array(out_tokens, pa.list_(pa.string())), out_records
+
+    def close(self) -> np.ndarray:
+        """Finish the ``.tmp`` file; returns the hashes of the kept sentences."""
+        self.flush()
+        self.writer.close()
+        return np.concatenate(self.kept_hashes) if self.kept_hashes else np.zeros(0, np.int64)
 
 
-def _stage_file(path: Path, key: str, fmt: str, config: IngestConfig, staging: Path, stats: FileStats) -> int:
-    """Tokenize one file into a staging Parquet file; returns the number of staged sentences."""
-    tokenize = get_tokenizer(config.tokenizer)
-    source = str(path)
-    columns: dict[str, list] = {name: [] for name in _STAGING_SCHEMA.names}
-    pos = 0
-    with pq.ParquetWriter(staging, _STAGING_SCHEMA, compression="lz4") as writer:
-
-        def flush() -> None:
-            if columns["pos"]:
-                writer.write_table(pa.table(columns, schema=_STAGING_SCHEMA), row_group_size=config.row_group_size)
-                for values in columns.values():
-                    values.clear()
-
-        for record, text in _records(path, fmt, config, stats):
-            stats.records += 1
-            doc_id = f"{key}:{record}"
-            pieces = split_sentences(text) if config.split_sentences else [text]
-            k = 0
-            for piece in pieces:
-                tokens = tokenize(piece)
-                if not tokens:
-                    continue
-                chunks = [tokens[i : i + config.max_tokens] for i in range(0, len(tokens), config.max_tokens)]
-                if len(chunks) > 1:
-                    stats.split_long += 1
-                for chunk in chunks:
-                    h = sentence_hash(chunk)
-                    columns["doc_id"].append(doc_id)
-                    columns["sentence_id"].append(f"{doc_id}:{k}")
-                    columns["text"].append(piece if len(chunks) == 1 else " ".join(chunk))
-                    columns["tokens"].append(chunk)
-                    columns["n_tokens"].append(len(chunk))
-                    columns["source"].append(source)
-                    columns["split"].append(_split_of(h, config.heldout_fraction))
-                    columns["pos"].append(pos)
-                    columns["hash"].append(h)
-                    pos += 1
-                    k += 1
-            if len(columns["pos"]) >= config.row_group_size:
-                flush()
-        flush()
-    return pos
+def _write_shard(path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats) -> np.ndarray:
+    """Tokenize and dedup one file into ``tmp``; returns the kept sentences' hashes."""
+    writer = _ShardWriter(path, key, config, tmp, con, stats)
+    try:
+        if fmt == "text" and not config.split_sentences:
+            for before, lines in _text_blocks(path, stats):
+                writer.add_lines(before, lines)
+        else:
+            for record, text in _records(path, fmt, config, stats):
+                stats.records += 1
+                writer.add(record, text)
+    finally:
+        hashes = writer.close()
+    return hashes
 
 
 def _sha256(path: Path) -> str:
@@ -380,9 +493,7 @@ def ingest(config: IngestConfig) -> IngestSummary:
     started = time.perf_counter()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    staging_dir = out / "_staging"
-    staging_dir.mkdir(exist_ok=True)
-    for stale in [*staging_dir.glob("*"), *out.glob("part-*.tmp")]:
+    for stale in out.glob("part-*.tmp"):
         stale.unlink()  # left by an interrupted run
     get_tokenizer(config.tokenizer)  # fail before any work if the tokenizer is unavailable
     inputs = find_inputs(config.sources)
@@ -405,22 +516,21 @@ def ingest(config: IngestConfig) -> IngestSummary:
             shard = out / f"part-{key}.parquet"
             shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
             log.info("[%d/%d] %s (%s, %.1f MB)", n, len(inputs), path, fmt, stat.st_size / 1e6)
-            staging = staging_dir / f"{key}.parquet"
+            tmp = shard.with_name(shard.name + ".tmp")
             try:
-                staged = _stage_file(path, key, fmt, config, staging, stats)
+                hashes = _write_shard(path, key, fmt, config, tmp, con, stats)
             except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
-                staging.unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
                 summary.files_failed += 1
                 summary.errors.append(str(exc))
                 log.error("%s", exc)
                 con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "failed", str(exc), None))
                 continue
-            kept = _commit_file(con, config, staging, shard, sha, path, stat, stats, staged)
-            staging.unlink(missing_ok=True)
+            _commit_file(con, config, tmp, shard, sha, path, stat, stats, hashes)
             summary.files_ingested += 1
             summary.bytes_read += stat.st_size
-            summary.sentences += kept
-            summary.tokens += _token_count(shard) if kept else 0
+            summary.sentences += stats.sentences
+            summary.tokens += _token_count(shard) if stats.sentences else 0
             summary.duplicates += stats.duplicates
             summary.rejected_lines += stats.rejected_lines
             summary.invalid_utf8_lines += stats.invalid_utf8_lines
@@ -448,29 +558,24 @@ def _file_row(sha: str, path: Path, stat: os.stat_result, stats: FileStats, stat
     }
 
 
-def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, staging: Path, shard: Path, sha: str, path: Path,
-                 stat: os.stat_result, stats: FileStats, staged: int) -> int:
-    """Dedup the staged rows into the shard (tmp, then rename), then record hashes and the file in one transaction."""
-    params = {"staging": str(staging), "dedup": config.dedup}
-    tmp = shard.with_name(shard.name + ".tmp")
-    if staged:
-        con.sql(DEDUP_SELECT, params=params).write_parquet(str(tmp), compression="zstd", row_group_size=config.row_group_size)
-        kept = pq.ParquetFile(tmp).metadata.num_rows
-    else:
-        kept = 0
-    stats.sentences, stats.duplicates = kept, staged - kept
+def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, tmp: Path, shard: Path, sha: str, path: Path,
+                 stat: os.stat_result, stats: FileStats, hashes: np.ndarray) -> None:
+    """Rename the finished shard into place, then record its hashes and the file in one DuckDB transaction.
+
+    A crash between the two leaves a complete shard that the manifest does not list: the next run redoes it.
+    """
     con.execute("BEGIN TRANSACTION")
     try:
-        if staged:
-            if config.dedup:
-                con.execute(REMEMBER_HASHES, {"staging": str(staging)})
-            if kept:
-                os.replace(tmp, shard)
-            else:
-                tmp.unlink()
-        con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if kept else None))
+        if config.dedup and len(hashes):
+            con.register("new_hashes", pa.table({"hash": hashes}))
+            con.execute(REMEMBER_HASHES)
+            con.unregister("new_hashes")
+        if stats.sentences:
+            os.replace(tmp, shard)
+        else:
+            tmp.unlink(missing_ok=True)
+        con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if stats.sentences else None))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
         raise
-    return kept

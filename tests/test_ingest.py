@@ -187,3 +187,13 @@ def test_kill_9_mid_ingest_leaves_no_partial_shard_and_the_rerun_finishes(tmp_pa
     assert len(shard_paths(out)) == 3 and not list(out.glob("*.tmp"))
     ids = [r for shard in shard_paths(out) for r in pq.read_table(shard, columns=["sentence_id"]).column(0).to_pylist()]
     assert len(ids) == len(set(ids)) == 750_000
+
+
+def test_crlf_and_whitespace_only_lines_give_no_empty_tokens(tmp_path):
+    (tmp_path / "w.txt").write_bytes(b"one two\r\n   \r\n\t\r\n  three   four  \r\n")
+    (tmp_path / "e.jsonl").write_text('{"text": ""}\n{"text": "  five  "}\n')
+    summary = ingest(IngestConfig(sources=[str(tmp_path)], out=str(tmp_path / "out")))
+    rows = _rows(tmp_path / "out")
+    assert sorted(r["text"] for r in rows) == ["five", "one two", "three   four"]
+    assert all("" not in r["tokens"] for r in rows)
+    assert summary.sentences == 3
