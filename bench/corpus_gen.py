@@ -30,3 +30,84 @@ def write_text_corpus(path: Path, target_bytes: int, n_types: int = 200_000, see
             written += len(block.encode())
             tokens += int(lengths.sum())
     return tokens
+
+
+def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000) -> int:
+    """An ingest-format dataset (part-*.parquet) of Zipfian sentences, built with Arrow (no Python per token)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elmo_core.ingest import SHARD_SCHEMA
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    vocabulary = pa.array(zipf_words(n_types, seed).tolist(), pa.string())
+    written, shard = 0, 0
+    while written < n_tokens:
+        want = min(shard_tokens, n_tokens - written)
+        lengths = rng.integers(5, 41, size=want // 22 + 1)
+        lengths = lengths[: np.searchsorted(np.cumsum(lengths), want) + 1]
+        total = int(lengths.sum())
+        ids = np.minimum(rng.zipf(1.2, size=total) - 1, n_types - 1)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        tokens = pa.ListArray.from_arrays(pa.array(offsets), vocabulary.take(pa.array(ids)))
+        n = len(lengths)
+        names = [f"{shard}:{i}" for i in range(n)]
+        split = np.where(rng.random(n) < 0.01, "heldout", "train")
+        table = pa.table({"doc_id": names, "sentence_id": names, "text": pa.nulls(n, pa.string()), "tokens": tokens,
+                          "n_tokens": pa.array(lengths.astype(np.int32)), "source": pa.array(["generated"] * n),
+                          "split": pa.array(split)}, schema=SHARD_SCHEMA)
+        pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
+        written += total
+        shard += 1
+    return written
+
+
+# VmHWM, not ru_maxrss: ru_maxrss survives exec, so a child of a big parent would report the parent's peak
+PEAK_REPORTER = (
+    "import atexit, json, re\n"
+    "def _peak():\n"
+    "    status = open('/proc/self/status').read()\n"
+    "    print(json.dumps({'peak_mb': int(re.search(r'VmHWM:\\s+(\\d+)', status).group(1)) / 1024}))\n"
+    "atexit.register(_peak)"
+)
+
+
+def peak_rss_mb_of(code: str, *args: str) -> tuple[float, float, str]:
+    """Run Python ``code`` in a fresh interpreter; return (seconds, its own peak RSS in MB, its stdout)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", PEAK_REPORTER + "\n" + code, *args], capture_output=True, text=True, check=True)
+    seconds = time.perf_counter() - start
+    lines = result.stdout.strip().splitlines()
+    return seconds, json.loads(lines[-1])["peak_mb"], "\n".join(lines[:-1])
+
+
+def write_token_id_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000) -> int:
+    """A token-id dataset (what `elmo vocab` writes under token_ids/train) of Zipfian sentences."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elmo_core.vocab import TOKEN_IDS_SCHEMA
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    vocabulary = pa.array(zipf_words(n_types, seed).tolist(), pa.string())
+    written, shard = 0, 0
+    while written < n_tokens:
+        want = min(shard_tokens, n_tokens - written)
+        lengths = rng.integers(5, 41, size=want // 22 + 1)
+        lengths = lengths[: np.searchsorted(np.cumsum(lengths), want) + 1]
+        ids = np.minimum(rng.zipf(1.2, size=int(lengths.sum())) - 1, n_types - 1)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        table = pa.table({"sentence_id": [f"{shard}:{i}" for i in range(len(lengths))],
+                          "tokens": pa.ListArray.from_arrays(offsets, vocabulary.take(pa.array(ids))),
+                          "ids": pa.ListArray.from_arrays(offsets, pa.array((ids + 3).astype(np.int32)))}, schema=TOKEN_IDS_SCHEMA)
+        pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
+        written += int(lengths.sum())
+        shard += 1
+    return written
