@@ -109,6 +109,69 @@ def _cmd_vocab(args: argparse.Namespace) -> None:
           f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {args.db}, {vocab_txt}")
 
 
+def _cmd_train(args: argparse.Namespace) -> None:
+    from elmo_core.train import TrainConfig, describe_perplexity, train
+
+    overrides = {"data": args.data, "out": args.out, "preset": args.preset, "max_steps": args.max_steps, "device": args.device,
+                 "init_from": args.init_from}
+    if args.config:
+        config = TrainConfig.from_file(args.config, **overrides)
+    else:
+        if not args.data or not args.out:
+            raise ElmoError("give --config FILE, or at least --data and --out")
+        config = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
+    updates = {}
+    if args.resume:
+        updates["resume"] = True
+    if args.no_mlflow:
+        updates["tracking"] = "none"
+    config = config.model_copy(update=updates)
+    result = train(config)
+    print(f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} -> {result.model_dir}"
+          + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else ""))
+
+
+def _cmd_perplexity(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from elmo_core import BiLM
+    from elmo_core.ingest import shard_paths
+    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.train import evaluate
+    from elmo_core.vocab import write_token_ids
+
+    bilm = BiLM.from_pretrained(str(resolve_model_dir(args.model)), device=args.device)
+    if bilm.softmax is None or bilm.vocab is None:
+        raise ElmoError(f"{args.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt")
+    shards = [str(p) for p in shard_paths(args.corpus)]
+    if not shards:
+        raise ElmoError(f"{args.corpus}: no part-*.parquet shards; run `elmo ingest` first")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_token_ids(shards, bilm.vocab, Path(tmp))
+        result = evaluate(bilm, Path(tmp) / args.split, args.batch_size, 20, args.max_batches)
+    print(f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
+          f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {args.split} tokens of {args.corpus}")
+
+
+def _cmd_export(args: argparse.Namespace) -> None:
+    import torch
+
+    from elmo_core import BiLM
+    from elmo_core.train import TrainConfig, latest_checkpoint
+    from elmo_core.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(args.run)
+    if checkpoint is None or not checkpoint.exists():
+        raise ElmoError(f"no checkpoint found ({args.checkpoint or args.run + '/checkpoints'})")
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    config = TrainConfig.model_validate_json(payload["config"])
+    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
+    bilm = BiLM(config.architecture(payload["model"]["softmax.weight"].shape[0]), vocab=vocab)
+    bilm.load_state_dict(payload["model"])
+    bilm.save_pretrained(args.out)
+    print(f"export: step {payload['step']} of {checkpoint} -> {args.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -157,6 +220,41 @@ def build_parser() -> argparse.ArgumentParser:
     voc.add_argument("--vocab-file", default=None, help="import an existing bilm-tf vocab.txt instead")
     voc.add_argument("--memory-limit", default="4GB")
     voc.set_defaults(func=_cmd_vocab)
+
+    tr = sub.add_parser(
+        "train",
+        help="train or fine-tune the biLM",
+        description="Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and "
+        "exported to OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
+        "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small",
+    )
+    tr.add_argument("--config", help="YAML/JSON file of TrainConfig fields")
+    tr.add_argument("--data", help="folder written by `elmo vocab`")
+    tr.add_argument("--out", help="run folder")
+    tr.add_argument("--preset", choices=["tiny", "small", "medium", "original"])
+    tr.add_argument("--init-from", help="fine-tune from a model directory or runs:/ / models:/ URI")
+    tr.add_argument("--max-steps", type=int)
+    tr.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    tr.add_argument("--no-mlflow", action="store_true", help="do not track in MLflow")
+    tr.set_defaults(func=_cmd_train)
+
+    ppl = sub.add_parser("perplexity", help="full-softmax perplexity of a model on a corpus",
+                         description="Example: elmo perplexity --model data/train/model --corpus data/ingest")
+    ppl.add_argument("--model", required=True, help="model directory with softmax and vocab.txt, or an MLflow URI")
+    ppl.add_argument("--corpus", required=True, help="an ingested dataset folder")
+    ppl.add_argument("--split", choices=["heldout", "train"], default="heldout")
+    ppl.add_argument("--batch-size", type=int, default=64)
+    ppl.add_argument("--max-batches", type=int, default=None)
+    ppl.add_argument("--device", default="cpu")
+    ppl.set_defaults(func=_cmd_perplexity)
+
+    exp = sub.add_parser("export", help="checkpoint -> bilm-tf/AllenNLP model directory",
+                         description="Example: elmo export --run data/train --out my_elmo")
+    exp.add_argument("--run", help="run folder (uses its newest checkpoint)")
+    exp.add_argument("--checkpoint", help="a checkpoint file instead")
+    exp.add_argument("--out", required=True)
+    exp.set_defaults(func=_cmd_export)
 
     info = sub.add_parser("info", help="describe a model directory", description="Example: elmo info data/models/my_elmo")
     info.add_argument("model", help="model directory (options.json + weights.hdf5 [+ vocab.txt])")

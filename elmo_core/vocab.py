@@ -18,6 +18,7 @@ from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN
 from elmo_core.errors import ConfigError
 
 MAX_TERM_ID = "!!!MAXTERMID"  # bilm-tf skips this marker line
+VOCAB_NAME_IN_DATA = "vocab.txt"  # written beside the DuckDB file, with token_ids/ next to it
 
 
 def read_vocab_file(path: str | Path) -> list[str]:

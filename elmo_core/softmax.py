@@ -1,0 +1,119 @@
+"""The LM softmax: TensorFlow's sampled softmax (log-uniform sampler) for training, the full softmax for evaluation.
+
+bilm-tf trains with ``tf.nn.sampled_softmax_loss`` and its defaults; reproduced here:
+
+* candidates from the log-uniform (Zipfian) distribution over ids 0..V-1, P(k) = log((k+2)/(k+1)) / log(V+1),
+  which assumes ids are frequency ranks (our vocab is sorted that way); ``unique=True``: draws are repeated
+  until ``num_sampled`` distinct ids are found, and ``num_tries`` counts all draws;
+* expected counts ``-expm1(num_tries · log1p(-P(k)))`` for true and sampled ids, whose logs are subtracted
+  from the logits ("subtract log Q");
+* accidental hits (a sampled id equal to the row's true id) get a logit of -FLOAT_MAX-like value;
+* loss = softmax cross-entropy with the true class first, averaged over the rows.
+One set of candidates serves the whole batch, as in bilm-tf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+_NEG = -1e30  # stands in for TF's very negative accidental-hit logit without risking inf - inf
+
+
+class LogUniformSampler:
+    """TF's ``log_uniform_candidate_sampler(unique=True)`` over ``n_classes`` ids, with its own RNG state."""
+
+    def __init__(self, n_classes: int, seed: int = 0) -> None:
+        self.n_classes = n_classes
+        self.log_range = math.log(n_classes + 1)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def probability(self, ids: Tensor) -> Tensor:
+        ids = ids.double()
+        return (torch.log(ids + 2.0) - torch.log(ids + 1.0)) / self.log_range
+
+    def sample(self, num_sampled: int) -> tuple[Tensor, int]:
+        """``num_sampled`` distinct ids (CPU int64) and the number of draws it took."""
+        num_sampled = min(num_sampled, self.n_classes)
+        found: list[Tensor] = []
+        seen = torch.zeros(self.n_classes, dtype=torch.bool)
+        count, tries = 0, 0
+        while count < num_sampled:
+            batch = max(2 * (num_sampled - count), 64)
+            u = torch.rand(batch, generator=self.generator, dtype=torch.float64)
+            draws = (torch.exp(u * self.log_range).floor().long() - 1).clamp_(0, self.n_classes - 1)
+            # first occurrences, in draw order, of ids not seen yet
+            new_mask = ~seen[draws]
+            draws_new = draws[new_mask]
+            unique_ids, first_pos = _first_occurrences(draws_new)
+            need = num_sampled - count
+            if len(unique_ids) >= need:
+                take = unique_ids[:need]
+                last_draw_in_new = first_pos[need - 1]
+                # number of raw draws up to and including the one that completed the set
+                tries += int(torch.nonzero(new_mask)[last_draw_in_new]) + 1
+                found.append(take)
+                count += need
+                break
+            found.append(unique_ids)
+            seen[unique_ids] = True
+            count += len(unique_ids)
+            tries += batch
+        return torch.cat(found), tries
+
+    def expected_count(self, ids: Tensor, num_tries: int) -> Tensor:
+        p = self.probability(ids)
+        return (-torch.expm1(num_tries * torch.log1p(-p))).float()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def _first_occurrences(values: Tensor) -> tuple[Tensor, Tensor]:
+    """Distinct values in order of first appearance, and the positions of those first appearances."""
+    if values.numel() == 0:
+        return values, values
+    unique, inverse = torch.unique(values, return_inverse=True)
+    first = torch.full((len(unique),), values.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(values.numel()), reduce="amin")
+    order = torch.argsort(first)
+    return unique[order], first[order]
+
+
+def sampled_softmax_loss(
+    hidden: Tensor,
+    targets: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    sampled: Tensor,
+    num_tries: int,
+    sampler: LogUniformSampler,
+    sparse: bool = False,
+) -> Tensor:
+    """Mean sampled-softmax loss of rows ``hidden`` (N, P) with true ids ``targets`` (N,).
+
+    ``sparse`` gathers softmax rows through ``F.embedding(sparse=True)`` so the (V, P) weight gets a sparse
+    gradient (bilm-tf's sparse updates; needed for large vocabularies).
+    """
+    device = hidden.device
+    sampled = sampled.to(device)
+    true_w = F.embedding(targets, weight, sparse=sparse)  # (N, P)
+    samp_w = F.embedding(sampled, weight, sparse=sparse)  # (S, P)
+    true_logits = (hidden * true_w).sum(-1) + bias.index_select(0, targets)
+    samp_logits = hidden @ samp_w.t() + bias.index_select(0, sampled)
+    true_logits = true_logits - torch.log(sampler.expected_count(targets.cpu(), num_tries).to(device))
+    samp_logits = samp_logits - torch.log(sampler.expected_count(sampled.cpu(), num_tries).to(device))
+    samp_logits = samp_logits.masked_fill(sampled[None, :] == targets[:, None], _NEG)
+    logits = torch.cat([true_logits[:, None], samp_logits], dim=1).float()
+    return F.cross_entropy(logits, torch.zeros(len(targets), dtype=torch.long, device=device))
+
+
+def full_softmax_loss(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor, reduction: str = "mean") -> Tensor:
+    """Cross-entropy over the whole vocabulary (evaluation)."""
+    return F.cross_entropy((hidden @ weight.t() + bias).float(), targets, reduction=reduction)

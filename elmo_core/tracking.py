@@ -1,0 +1,134 @@
+"""Experiment tracking behind a small interface; MLflow is imported here and nowhere else.
+
+The trainer talks to a ``Tracker``; ``NullTracker`` trains without MLflow, ``MLflowTracker`` logs to any MLflow
+store (by default a SQLite file under ``data/``). A trained model is logged as a pyfunc model whose artifact is
+the bilm-tf model directory, and registered, so ``runs:/<id>/model`` and ``models:/<name>/<version>`` both
+resolve to options.json + weights.hdf5 + vocab.txt via ``resolve_model_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRACKING_URI = f"sqlite:///{PROJECT_ROOT / 'data' / 'mlflow.db'}"
+MODEL_ARTIFACT = "model"  # artifact path of the logged model; the bilm-tf files sit in its artifacts/elmo
+
+
+class Tracker(Protocol):
+    run_id: str | None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
+    def close(self, status: str = "FINISHED") -> None: ...
+
+
+class NullTracker:
+    """Tracks nothing: for library use and tests that do not need MLflow."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
+        return None
+
+    def close(self, status: str = "FINISHED") -> None:
+        pass
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), inner, out)
+    else:
+        out[prefix] = value
+
+
+class MLflowTracker:
+    """One MLflow run per training, with system metrics; ``run_id`` is set once started."""
+
+    def __init__(self, experiment: str = "elmo", run_name: str | None = None, tracking_uri: str | None = None,
+                 run_id: str | None = None, tags: dict[str, str] | None = None) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        import mlflow
+
+        self._mlflow = mlflow
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        if uri.startswith("sqlite:///"):
+            Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(uri)
+        self.tracking_uri = uri
+        if run_id is None:
+            if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(experiment) is None:
+                # artifacts beside the SQLite store (not ./mlruns of whatever the working directory is)
+                store = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+                mlflow.create_experiment(experiment, artifact_location=store.resolve().as_uri())
+            mlflow.set_experiment(experiment)
+        run = mlflow.start_run(run_id=run_id, run_name=run_name, log_system_metrics=True, tags=tags)
+        self.run_id = run.info.run_id
+        self.experiment_id = run.info.experiment_id
+        log.info("MLflow run %s (experiment %s) at %s", self.run_id, self.experiment_id, uri)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        flat: dict[str, Any] = {}
+        _flatten("", params, flat)
+        existing = self._mlflow.get_run(self.run_id).data.params
+        new = {k: str(v)[:6000] for k, v in flat.items() if k not in existing}  # a resumed run keeps its params
+        if new:
+            self._mlflow.log_params(new)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if Path(path).is_dir():
+            self._mlflow.log_artifacts(str(path), artifact_path)
+        else:
+            self._mlflow.log_artifact(str(path), artifact_path)
+
+    def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
+        """Log the bilm-tf model directory as a pyfunc model (and register it); returns its model URI."""
+        info = self._mlflow.pyfunc.log_model(
+            name=MODEL_ARTIFACT,
+            python_model=str(Path(__file__).with_name("mlflow_model.py")),  # models from code: no pickle
+            artifacts={"elmo": str(model_dir)},
+            registered_model_name=registered_name,
+            pip_requirements=["torch", "numpy", "h5py", "pydantic", "pyyaml"],
+            code_paths=[str(PROJECT_ROOT / "elmo_core")],
+        )
+        return info.model_uri
+
+    def close(self, status: str = "FINISHED") -> None:
+        self._mlflow.end_run(status=status)
+
+
+def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
+    """A local model directory for a path, ``runs:/<run>/model`` or ``models:/<name>/<version>`` URI."""
+    if "://" not in uri and ":/" not in uri:
+        return Path(uri)
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
+    if (local / "options.json").exists():
+        return local
+    for options in sorted((local / "artifacts").rglob("options.json")):  # a logged pyfunc model
+        return options.parent
+    raise FileNotFoundError(f"{uri}: no options.json in the downloaded artifacts at {local}")
