@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -453,10 +454,10 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
             if not torch.isfinite(loss):
                 if config.on_nan == "stop":
                     last = latest_checkpoint(out)
-                    raise TrainingDivergedError(f"loss is {float(loss)} at step {step + 1}; stopped. The last good checkpoint is "
+                    raise TrainingDivergedError(f"loss is {float(loss.detach())} at step {step + 1}; stopped. The last good checkpoint is "
                                                 f"{last or 'none (none written yet)'}; resume from it with a lower learning rate or on_nan=skip")
                 skipped += 1
-                log.warning("loss is %s at step %d: batch skipped (%d so far)", float(loss), step + 1, skipped)
+                log.warning("loss is %s at step %d: batch skipped (%d so far)", float(loss.detach()), step + 1, skipped)
                 optimizer.zero_grad(set_to_none=True)
                 state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]
                 step += 1
@@ -492,6 +493,8 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
                 if path is not None:
                     log.info("checkpoint %s", path)
         final = save(step)
+        if ddp.world > 1:
+            _check_replicas_agree(bilm, ddp, out)
         perplexity = _log_eval(bilm, data, config, counts, tracker, step, ddp)
         model_dir = out / "model"
         model_uri = None
@@ -520,6 +523,19 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
         tracker.close(status)
         if ddp.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_replicas_agree(bilm: BiLM, ddp: _Dist, out: Path) -> None:
+    """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(bilm.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    digests = [g["sha256"] for g in _gather(ddp, {"sha256": digest.hexdigest()})]
+    if ddp.main:
+        (out / "ddp_weights.json").write_text(json.dumps(digests) + "\n")
+        if len(set(digests)) != 1:
+            raise ElmoError(f"DDP replicas diverged: weight digests {digests}")
 
 
 def _gather(ddp: _Dist, item: dict[str, Any]) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -125,6 +126,7 @@ def _connect(db: str | Path, memory_limit: str) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(str(db))
     con.execute("SET memory_limit = ?", [memory_limit])
     con.execute("SET temp_directory = ?", [str(Path(db).with_suffix(".tmp"))])
+    con.execute(f"SET enable_progress_bar = {str(sys.stderr.isatty()).lower()}")  # a bar only on a terminal
     return con
 
 

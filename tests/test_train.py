@@ -1,0 +1,264 @@
+"""Training: TF sampled-softmax semantics, the bilm-tf fixture run, exact resume after SIGKILL, fine-tuning,
+NaN handling, MLflow tracking and the model registry, and 2-process DDP (real gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from elmo_core import BiLM
+from elmo_core.ingest import IngestConfig, ingest
+from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
+from elmo_core.train import TrainConfig, TrainingDivergedError, evaluate, latest_checkpoint, train
+from elmo_core.vocab import VocabConfig, build_vocab
+
+ROOT = Path(__file__).resolve().parent.parent
+# bilm-tf's training-test model (fixtures README): chars, tanh, 1 highway, 2x16_8 with skip connections
+FIXTURE_MODEL = {
+    "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16], [4, 32], [5, 64]], "n_highway": 1, "activation": "tanh"},
+    "lstm": {"dim": 16, "projection_dim": 8, "n_layers": 2, "cell_clip": 3, "proj_clip": 3, "use_skip_connections": True},
+}
+FIXTURE_OPTIONS = {"model": FIXTURE_MODEL, "batch_size": 2, "unroll_steps": 10, "n_negative_samples_batch": 16,
+                   "all_clip_norm_val": 1.0, "dropout": 0.1, "tracking": "none", "log_every": 50}
+
+
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory, bilm_tf_dir) -> Path:
+    """bilm-tf's data.txt ingested, with its vocab.txt imported (the fixture's own training setup)."""
+    root = tmp_path_factory.mktemp("fixture_data")
+    train_dir = bilm_tf_dir / "train"
+    ingest(IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=0.0))
+    build_vocab(VocabConfig(corpus=str(root / "ingest"), db=str(root / "vocab" / "vocab.duckdb"), vocab_file=str(train_dir / "vocab.txt")))
+    return root / "vocab"
+
+
+# ----- sampled softmax against a NumPy transcription of TF's formula --------------------------------------
+
+
+def test_sampled_softmax_matches_the_tf_formula():
+    torch.manual_seed(0)
+    n_classes, dim = 50, 6
+    hidden, weight, bias = torch.randn(7, dim), torch.randn(n_classes, dim), torch.randn(n_classes)
+    targets = torch.tensor([0, 3, 3, 10, 49, 5, 1])
+    sampler = LogUniformSampler(n_classes, seed=1)
+    sampled = torch.tensor([3, 0, 17, 2, 8])  # holds accidental hits for rows 0, 1, 2
+    tries = 9
+    got = float(sampled_softmax_loss(hidden, targets, weight, bias, sampled, tries, sampler))
+
+    h, w, b = hidden.double().numpy(), weight.double().numpy(), bias.double().numpy()
+    p = lambda k: (np.log(k + 2.0) - np.log(k + 1.0)) / np.log(n_classes + 1.0)  # noqa: E731
+    q = lambda k: -np.expm1(tries * np.log1p(-p(k)))  # noqa: E731
+    losses = []
+    for i, t in enumerate(targets.tolist()):
+        true_logit = h[i] @ w[t] + b[t] - np.log(q(t))
+        logits = [true_logit] + [(-np.inf if s == t else h[i] @ w[s] + b[s] - np.log(q(s))) for s in sampled.tolist()]
+        logits = np.array(logits)
+        losses.append(-true_logit + np.log(np.exp(logits - logits.max()).sum()) + logits.max())
+    assert got == pytest.approx(float(np.mean(losses)), rel=1e-5)
+
+
+def test_sparse_softmax_gradients_equal_dense():
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 4)
+    targets = torch.tensor([1, 2, 3, 3, 0])
+    sampler = LogUniformSampler(30, seed=0)
+    sampled, tries = sampler.sample(8)
+    grads = []
+    for sparse in (False, True):
+        weight = torch.randn(30, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        bias = torch.zeros(30, requires_grad=True)
+        sampled_softmax_loss(hidden, targets, weight, bias, sampled, tries, sampler, sparse=sparse).backward()
+        grads.append(weight.grad.to_dense() if weight.grad.is_sparse else weight.grad)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_log_uniform_sampler_is_unique_and_zipfian():
+    sampler = LogUniformSampler(1000, seed=0)
+    ids, tries = sampler.sample(200)
+    assert len(set(ids.tolist())) == 200 and tries >= 200 and ids.max() < 1000
+    counts = np.zeros(1000)
+    for _ in range(300):
+        draw, _ = sampler.sample(1)
+        counts[int(draw)] += 1
+    expected = sampler.probability(torch.arange(1000)).numpy() * 300
+    assert abs(counts[:3].sum() - expected[:3].sum()) < 0.25 * expected[:3].sum()  # ids 0-2 hold ~30% of the mass
+    a, b = LogUniformSampler(1000, seed=5), LogUniformSampler(1000, seed=5)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.sample(50)[0], b.sample(50)[0])
+
+
+def test_full_softmax_is_cross_entropy():
+    hidden, weight, bias = torch.randn(3, 4), torch.randn(9, 4), torch.randn(9)
+    targets = torch.tensor([1, 8, 0])
+    expected = torch.nn.functional.cross_entropy(hidden @ weight.t() + bias, targets)
+    assert torch.allclose(full_softmax_loss(hidden, targets, weight, bias), expected)
+
+
+# ----- training runs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bilm_tf_fixture_training_reaches_perplexity_below_20(fixture_data, tmp_path):
+    """bilm-tf's own training test: 50 epochs of data.txt, then full-softmax perplexity on it < 20."""
+    result = train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), n_epochs=50, **FIXTURE_OPTIONS))
+    assert result.steps == 300  # int(134 / (2 * 10)) = 6 steps per epoch
+    bilm = BiLM.from_pretrained(str(result.model_dir))
+    ppl = evaluate(bilm, fixture_data / "token_ids" / "train", batch_size=1, unroll_steps=1)
+    assert ppl["perplexity"] < 20, ppl
+    assert ppl["eval_tokens"] == 139  # every input position of the 5 sentences (134 tokens + 5 <S>)
+
+
+def _train_cmd(config_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config_path), *extra]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["step"]] = record["loss"]  # a resumed run rewrites steps after its checkpoint
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
+    options = {**FIXTURE_OPTIONS, "data": str(fixture_data), "max_steps": 60, "checkpoint_every": 10, "keep_checkpoints": 2, "seed": 3}
+    reference = tmp_path / "reference.yaml"
+    reference.write_text(yaml.safe_dump({**options, "out": str(tmp_path / "ref")}))
+    subprocess.run(_train_cmd(reference), cwd=ROOT, check=True, capture_output=True, timeout=600)
+
+    killed = tmp_path / "killed.yaml"
+    killed.write_text(yaml.safe_dump({**options, "out": str(tmp_path / "run")}))
+    proc = subprocess.Popen(_train_cmd(killed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "step-000000030.pt").exists():
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_before = max(_losses(tmp_path / "run"))
+    assert 30 <= steps_before < 60
+    assert latest_checkpoint(tmp_path / "run").name in {"step-000000030.pt", "step-000000040.pt", "step-000000050.pt"}
+    subprocess.run(_train_cmd(killed, "--resume"), cwd=ROOT, check=True, capture_output=True, timeout=600)
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")
+    assert len(_losses(tmp_path / "ref")) == 60
+    assert len(list((tmp_path / "run" / "checkpoints").glob("step-*.pt"))) == 2
+
+
+def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
+    train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=4, checkpoint_every=2, **FIXTURE_OPTIONS))
+    payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
+    assert payload["step"] == 4 and "softmax.weight" in payload["model"]
+    assert set(payload) >= {"optimizer", "samplers", "batchers", "torch_rng", "lstm_states"}
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data, tmp_path, monkeypatch):
+    import elmo_core.train as train_module
+
+    calls = {"n": 0}
+    real = train_module.sampled_softmax_loss
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if calls["n"] > 8 else loss  # steps 1-4 fine (2 calls a step), then NaN
+
+    monkeypatch.setattr(train_module, "sampled_softmax_loss", poisoned)
+    config = TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=10, checkpoint_every=2, **FIXTURE_OPTIONS)
+    with pytest.raises(TrainingDivergedError, match=r"loss is nan at step 5; stopped\. The last good checkpoint is .*step-000000004\.pt"):
+        train(config)
+    assert torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)["step"] == 4
+    calls["n"] = 0
+    skipped = train(config.model_copy(update={"on_nan": "skip", "out": str(tmp_path / "skip")}))
+    assert skipped.steps == 10
+
+
+def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(fixture_data, tmp_path, caplog, bilm_tf_dir):
+    first = train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "a"), max_steps=6, **FIXTURE_OPTIONS))
+    exported = BiLM.from_pretrained(str(first.model_dir))
+    assert exported.softmax is not None and exported.vocab[:3] == ["<S>", "</S>", "<UNK>"]
+    options = json.loads((first.model_dir / "options.json").read_text())
+    assert options["char_cnn"]["n_characters"] == 262 and options["n_tokens_vocab"] == 32
+
+    # new text, same vocabulary: what `elmo vocab --vocab-file MODEL/vocab.txt` gives
+    (tmp_path / "new.txt").write_text("the company said it would sell the unit .\nshares fell in early trading .\n" * 3)
+    ingest(IngestConfig(sources=[str(tmp_path / "new.txt")], out=str(tmp_path / "ing2"), heldout_fraction=0.0, dedup=False))
+    build_vocab(VocabConfig(corpus=str(tmp_path / "ing2"), db=str(tmp_path / "v2" / "vocab.duckdb"), vocab_file=str(first.model_dir / "vocab.txt")))
+    tuned = train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "b"), max_steps=3, init_from=str(first.model_dir), **FIXTURE_OPTIONS))
+    assert BiLM.from_pretrained(str(tuned.model_dir)).vocab == exported.vocab
+
+    # a published-style model without a softmax gets a fresh one, and says so
+    no_softmax = BiLM(exported.config.model_copy(update={"n_tokens_vocab": None}), vocab=exported.vocab)
+    no_softmax.load_state_dict({k: v for k, v in exported.state_dict().items() if not k.startswith("softmax.")})
+    no_softmax.save_pretrained(str(tmp_path / "nosoftmax"))
+    with caplog.at_level("WARNING"):
+        train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "c"), max_steps=2, init_from=str(tmp_path / "nosoftmax"), **FIXTURE_OPTIONS))
+    assert "has no softmax for this 32-word vocabulary: initialising a new one" in caplog.text
+
+    # a different vocabulary is refused with the fix in the message
+    from elmo_core.errors import ConfigError
+
+    other = tmp_path / "other"
+    other.mkdir()
+    exported.vocab = ["<S>", "</S>", "<UNK>", "x"] + exported.vocab[4:]
+    exported.save_pretrained(str(other))
+    with pytest.raises(ConfigError, match="--vocab-file"):
+        train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "d"), max_steps=2, init_from=str(other), **FIXTURE_OPTIONS))
+
+
+@pytest.mark.slow
+def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_data, tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")  # the default 10 s outlasts this short run
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=40,
+                               **{**FIXTURE_OPTIONS, "tracking": "mlflow", "log_every": 5}, tracking_uri=uri, register_as="elmo-test"))
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["config.batch_size"] == "2" and run.data.params["architecture.lstm.dim"] == "16"
+    history = client.get_metric_history(result.run_id, "loss")
+    assert [m.step for m in history] == list(range(5, 41, 5))
+    assert {"perplexity_forward", "perplexity_backward", "tokens_per_s", "learning_rate", "grad_norm"} <= set(run.data.metrics)
+    assert any(k.startswith("system/") for k in run.data.metrics)
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.json", "export", "checkpoint"} <= artifacts
+    exported = {a.path for a in client.list_artifacts(result.run_id, "export")}
+    assert {"export/options.json", "export/weights.hdf5", "export/vocab.txt"} <= exported
+    version = client.get_latest_versions("elmo-test")[0]
+    mlflow.set_tracking_uri(uri)
+    from elmo_core.tracking import resolve_model_dir
+
+    for model_uri in (f"models:/elmo-test/{version.version}", result.model_uri):
+        bilm = BiLM.from_pretrained(str(resolve_model_dir(model_uri, tmp_path / model_uri.replace(":", "_").replace("/", "_"))))
+        assert bilm.config.n_tokens_vocab == 32
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path):
+    config = tmp_path / "ddp.yaml"
+    config.write_text(yaml.safe_dump({**FIXTURE_OPTIONS, "data": str(fixture_data), "out": str(tmp_path / "run"), "max_steps": 6, "device": "cpu"}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+                             "-m", "elmo_core.cli", "train", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
+    assert len(digests) == 2 and digests[0] == digests[1]
+    payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
+    assert len(payload["batchers"]) == 2  # every rank's data position, for exact resume
+    rows = [json.loads(b)["forward"]["rows"] for b in payload["batchers"]]
+    assert rows[0] != rows[1]  # each rank carries its own sentences (rank r takes every 2nd)
