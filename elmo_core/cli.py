@@ -172,6 +172,32 @@ def _cmd_export(args: argparse.Namespace) -> None:
     print(f"export: step {payload['step']} of {checkpoint} -> {args.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
 
 
+def _cmd_embed(args: argparse.Namespace) -> None:
+    from elmo_core.embed import EmbedConfig, embed
+
+    config = EmbedConfig(model=args.model, input=args.input, out=args.out, layers=args.layers, mix_weights=args.mix_weights,
+                         gamma=args.gamma, dtype=args.dtype, pool=args.pool, split=args.split, tokenizer=args.tokenizer,
+                         max_batch_tokens=args.max_batch_tokens, stateful=args.stateful, device=args.device, bf16=args.bf16)
+    print(embed(config).line())
+
+
+def _cmd_query(args: argparse.Namespace) -> None:
+    from elmo_core.query import EmbeddingStore
+
+    store = EmbeddingStore(args.embeddings)
+    if args.similar_to:
+        results = store.similar_sentences(args.similar_to, args.k, args.layer)
+        for n in results:
+            print(f"{n.similarity:7.4f}  {n.sentence_id}  {n.text}")
+        return
+    if not args.token:
+        raise ElmoError("give --token (with --sentence or --sentence-id), or --similar-to SENTENCE_ID")
+    sid, index, text = store.locate(args.token, args.sentence, args.sentence_id)
+    print(f"nearest to {args.token!r} (token {index}) in: {text}")
+    for n in store.nearest_tokens(args.token, args.sentence, args.sentence_id, args.k, args.layer, args.like):
+        print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -255,6 +281,44 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--checkpoint", help="a checkpoint file instead")
     exp.add_argument("--out", required=True)
     exp.set_defaults(func=_cmd_export)
+
+    emb = sub.add_parser(
+        "embed",
+        help="corpus -> contextual vectors in Parquet",
+        description="Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per "
+        "token (or per sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
+        "Example: elmo embed --model data/train/model --input data/ingest --out data/embed",
+    )
+    emb.add_argument("--model", required=True, help="model directory, or runs:/RUN/model, or models:/NAME/VERSION")
+    emb.add_argument("--input", required=True, help="ingested dataset folder, or text file(s)/glob")
+    emb.add_argument("--out", required=True)
+    emb.add_argument("--layers", choices=["all", "mix"], default="mix", help="mix (default): one 'elmo' column; all: layer_0..layer_L")
+    emb.add_argument("--mix-weights", type=float, nargs="+", help="scalar-mix weights (before softmax); default: plain average")
+    emb.add_argument("--gamma", type=float, default=1.0)
+    emb.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    emb.add_argument("--pool", choices=["none", "mean"], default="none")
+    emb.add_argument("--split", choices=["all", "train", "heldout"], default="all")
+    emb.add_argument("--tokenizer", choices=["whitespace", "unicode", "chinese"], default="whitespace", help="for text input")
+    emb.add_argument("--max-batch-tokens", type=int, default=8192)
+    emb.add_argument("--stateful", action="store_true", help="carry state across batches (bilm-tf parity)")
+    emb.add_argument("--device", default="auto")
+    emb.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA")
+    emb.set_defaults(func=_cmd_embed)
+
+    qry = sub.add_parser(
+        "query",
+        help="nearest tokens-in-context / similar sentences with DuckDB",
+        description="Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'",
+    )
+    qry.add_argument("embeddings", help="an `elmo embed` output folder")
+    qry.add_argument("--token")
+    qry.add_argument("--sentence", help="the sentence text the token is in")
+    qry.add_argument("--sentence-id")
+    qry.add_argument("--similar-to", help="sentence_id: similar sentences (tables made with --pool mean)")
+    qry.add_argument("--like", help="only neighbours whose lower-cased token matches this SQL LIKE pattern")
+    qry.add_argument("--layer", help="elmo or layer_N (default: elmo, else the top layer)")
+    qry.add_argument("-k", type=int, default=10)
+    qry.set_defaults(func=_cmd_query)
 
     info = sub.add_parser("info", help="describe a model directory", description="Example: elmo info data/models/my_elmo")
     info.add_argument("model", help="model directory (options.json + weights.hdf5 [+ vocab.txt])")

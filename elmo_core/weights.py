@@ -180,7 +180,7 @@ def write_weights(model: BiLM, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def _resolve(options_or_dir: str | Path, weight_file: str | Path | None, vocab_file: str | Path | None) -> tuple[Path, Path, Path | None]:
+def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | None, vocab_file: str | Path | None) -> tuple[Path, Path, Path | None]:
     source = Path(options_or_dir)
     if source.is_dir():
         options = source / OPTIONS_NAME
@@ -198,7 +198,7 @@ def _resolve(options_or_dir: str | Path, weight_file: str | Path | None, vocab_f
 
 def load_pretrained(options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None) -> BiLM:
     """A ``BiLM`` from ``options.json`` + ``weights.hdf5`` (or a directory holding them, + ``vocab.txt``)."""
-    options_path, weight_path, vocab_path = _resolve(options_or_dir, weight_file, vocab_file)
+    options_path, weight_path, vocab_path = resolve_model_files(options_or_dir, weight_file, vocab_file)
     config = read_options(options_path)
     if not weight_path.exists():
         raise WeightFileError(f"{weight_path}: weight file not found")

@@ -1,0 +1,149 @@
+"""Embedding jobs and queries: real Parquet out, exact values, kill -9 and resume, DuckDB queries, sense separation."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_core import BiLM
+from elmo_core.embed import EmbedConfig, embed
+from elmo_core.errors import ConfigError
+from elmo_core.ingest import IngestConfig, ingest
+from elmo_core.query import EmbeddingStore
+
+ROOT = Path(__file__).resolve().parent.parent
+SENTENCES = [
+    "I like to eat apples with honey .",
+    "Many people find the Apple phone easy to use .",
+    "It's a test of quotes ' and \" marks .",
+    "Short .",
+    "苹果 发布 了 新 手机 。",
+]
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> Path:
+    (tmp_path / "s.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    ingest(IngestConfig(sources=[str(tmp_path / "s.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0))
+    return tmp_path / "ing"
+
+
+def _read(out: Path):
+    return pq.read_table(sorted(out.glob("part-*.parquet"))).to_pylist()
+
+
+def test_token_rows_all_layers_equal_embed_sentences(corpus, tmp_path, allennlp_dir):
+    summary = embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "out"), layers="all"))
+    rows = _read(tmp_path / "out")
+    assert summary.rows == len(rows) == sum(len(s.split()) for s in SENTENCES)
+    schema = pq.read_schema(sorted((tmp_path / "out").glob("part-*.parquet"))[0])
+    assert schema.names == ["doc_id", "sentence_id", "token_index", "token", "text", "layer_0", "layer_1", "layer_2", "model_id"]
+    assert schema.field("layer_2").type.list_size == 32 and schema.field("layer_2").type.value_type == "float"
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    by_sentence: dict[str, list[dict]] = {}
+    for row in rows:
+        by_sentence.setdefault(row["text"], []).append(row)
+    for text, token_rows in by_sentence.items():
+        token_rows.sort(key=lambda r: r["token_index"])
+        expected = bilm.embed_sentences([text.split()])[0]
+        assert [r["token"] for r in token_rows] == text.split()
+        for layer in range(3):
+            got = np.array([r[f"layer_{layer}"] for r in token_rows])
+            np.testing.assert_allclose(got, expected[layer], atol=1e-5)
+    assert len({r["model_id"] for r in rows}) == 1 and len(rows[0]["model_id"]) == 16
+
+
+def test_mix_float16_and_mean_pooling(corpus, tmp_path, allennlp_dir):
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "mix"), mix_weights=[0.0, 1.0, 2.0], gamma=0.5, dtype="float16"))
+    rows = _read(tmp_path / "mix")
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    s = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
+    row = next(r for r in rows if r["text"] == SENTENCES[0] and r["token_index"] == 4)
+    layers = bilm.embed_sentences([SENTENCES[0].split()])[0][:, 4]
+    np.testing.assert_allclose(row["elmo"], 0.5 * (s[:, None] * layers).sum(0), atol=2e-3)  # float16
+    assert pq.read_schema(sorted((tmp_path / "mix").glob("part-*.parquet"))[0]).field("elmo").type.value_type == "halffloat"
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "pool"), pool="mean"))
+    pooled = _read(tmp_path / "pool")
+    assert len(pooled) == len(SENTENCES)
+    first = next(r for r in pooled if r["text"] == SENTENCES[0])
+    assert first["n_tokens"] == 8
+    np.testing.assert_allclose(first["elmo"], bilm.embed_sentences([SENTENCES[0].split()])[0].mean(0).mean(0), atol=1e-5)
+
+
+def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, allennlp_dir):
+    (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n" + SENTENCES[0] + "\n", encoding="utf-8")
+    first = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
+    assert first.rows == sum(len(s.split()) for s in SENTENCES) + 8  # text input keeps duplicate lines
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
+    again = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
+    assert again.units_done_before == again.units and again.tokens == 0
+    assert files == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["rows"] == first.rows
+    with pytest.raises(ConfigError, match="holds embeddings of another job"):
+        embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out"), layers="all"))
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_then_rerun_gives_exactly_one_row_per_token(tmp_path, allennlp_dir):
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(300)]
+    lines = [" ".join(rng.choice(words, size=rng.integers(3, 30))) + f" s{i}" for i in range(6000)]
+    (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "big.txt")], out=str(tmp_path / "ing"), row_group_size=250))
+    total_tokens = sum(len(line.split()) for line in lines)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "elmo_core.cli", "embed", "--model", str(allennlp_dir), "--input", str(tmp_path / "ing"), "--out", str(out), "--layers", "all"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline and len(list(out.glob("part-*.parquet"))) < 3:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(out.glob("part-*.parquet")))
+    assert 3 <= done < 24, "the job should have been killed part-way"
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"({done} already done)" in rerun.stdout or f"({done + 1} already done)" in rerun.stdout
+    con = duckdb.connect()
+    files = sorted(str(p) for p in out.glob("part-*.parquet"))
+    rel = con.read_parquet(files)
+    rows, distinct = con.execute("SELECT count(*), count(DISTINCT (sentence_id, token_index)) FROM rel").fetchone()
+    assert rows == distinct == total_tokens
+    assert not list(out.glob("*.tmp"))
+
+
+def test_query_nearest_tokens_and_sentences(corpus, tmp_path, allennlp_dir):
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "tok")))
+    store = EmbeddingStore(tmp_path / "tok")
+    hits = store.nearest_tokens("apples", text=SENTENCES[0], k=5)
+    assert len(hits) == 5 and hits == sorted(hits, key=lambda h: -h.similarity)
+    assert all(-1.0 <= h.similarity <= 1.0 for h in hits)
+    quoted = store.nearest_tokens("'", text=SENTENCES[2], k=2)  # parameters, not spliced SQL
+    assert len(quoted) == 2
+    only_apples = store.nearest_tokens("apples", text=SENTENCES[0], like="apple%")
+    assert [h.token for h in only_apples] == ["Apple"]
+    with pytest.raises(ConfigError, match="not found"):
+        store.nearest_tokens("pears", text=SENTENCES[0])
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "pool"), pool="mean"))
+    pooled = EmbeddingStore(tmp_path / "pool")
+    sid = pooled.con.execute("SELECT sentence_id FROM embeddings WHERE text = $t", {"t": SENTENCES[0]}).fetchone()[0]
+    similar = pooled.similar_sentences(sid, k=3)
+    assert len(similar) == 3 and similar[0].similarity >= similar[-1].similarity
+
+
+def test_query_cli(corpus, tmp_path, allennlp_dir):
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "tok")))
+    result = subprocess.run([sys.executable, "-m", "elmo_core.cli", "query", str(tmp_path / "tok"), "--token", "Apple",
+                             "--sentence", SENTENCES[1], "-k", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"nearest to 'Apple' (token 4) in: {SENTENCES[1]}")
+    assert len(result.stdout.strip().splitlines()) == 4
