@@ -147,3 +147,56 @@ def test_query_cli(corpus, tmp_path, allennlp_dir):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"nearest to 'Apple' (token 4) in: {SENTENCES[1]}")
     assert len(result.stdout.strip().splitlines()) == 4
+
+
+@pytest.mark.slow
+def test_a_model_trained_here_separates_two_senses_that_layer_0_cannot(tmp_path):
+    """'bank' by the river vs 'bank' with money: contextual layers group by sense, layer 0 is one vector."""
+    from elmo_core.train import TrainConfig, train
+    from elmo_core.vocab import VocabConfig, build_vocab
+
+    rng = np.random.default_rng(0)
+    river = ["river", "water", "fish", "boat", "muddy", "grassy", "shore", "stream", "ducks", "reeds"]
+    money = ["money", "loan", "cash", "account", "credit", "savings", "deposit", "mortgage", "interest", "cheque"]
+
+    def sentence(words: list[str]) -> str:
+        a, b, c, d = rng.choice(words, size=4, replace=False)
+        return f"the {a} {b} bank {c} {d} ."
+
+    lines = [sentence(river if i % 2 else money) for i in range(3000)]
+    (tmp_path / "senses.txt").write_text("\n".join(lines) + "\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "senses.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0, dedup=False))
+    build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v" / "vocab.duckdb")))
+    model = {"char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16], [4, 16]], "n_highway": 1},
+             "lstm": {"dim": 32, "projection_dim": 16, "n_layers": 2}}
+    result = train(TrainConfig(data=str(tmp_path / "v"), out=str(tmp_path / "run"), model=model, batch_size=16, unroll_steps=10,
+                               max_steps=250, n_negative_samples_batch=16, tracking="none", seed=1))
+    river_probes = [sentence(river) for _ in range(6)]
+    money_probes = [sentence(money) for _ in range(6)]
+    river, probes_text = set(river_probes), river_probes + money_probes
+    probes = tmp_path / "probes.txt"
+    probes.write_text("\n".join(probes_text) + "\n")
+    embed(EmbedConfig(model=str(result.model_dir), input=str(probes), out=str(tmp_path / "emb"), layers="all"))
+    rows = [r for r in _read(tmp_path / "emb") if r["token"] == "bank"]
+    sense = np.array([r["text"] in river for r in rows])
+    assert len(rows) == 12
+
+    def separation(layer: str) -> tuple[float, float, float]:
+        """Mean within-sense and cross-sense cosine (vectors centred on their mean), and 1-NN sense accuracy."""
+        v = np.array([r[layer] for r in rows], dtype=np.float64)
+        v -= v.mean(0)
+        norms = np.linalg.norm(v, axis=1, keepdims=True)
+        if norms.max() < 1e-6:  # every vector the same: nothing to tell apart
+            return 0.0, 0.0, 0.0
+        v /= norms
+        sim = v @ v.T
+        np.fill_diagonal(sim, -np.inf)
+        same = sim[(sense[:, None] == sense[None, :]) & ~np.eye(len(v), dtype=bool)].mean()
+        cross = sim[sense[:, None] != sense[None, :]].mean()
+        nearest_same = (sense[sim.argmax(1)] == sense).mean()
+        return float(same), float(cross), float(nearest_same)
+
+    assert separation("layer_0") == (0.0, 0.0, 0.0)  # layer 0 is context-free: one vector for every "bank"
+    for layer in ("layer_1", "layer_2"):
+        same, cross, nearest = separation(layer)
+        assert same > cross and nearest >= 0.9, (layer, same, cross, nearest)
