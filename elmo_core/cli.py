@@ -154,22 +154,10 @@ def _cmd_perplexity(args: argparse.Namespace) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> None:
-    import torch
+    from elmo_core.train import export_checkpoint
 
-    from elmo_core import BiLM
-    from elmo_core.train import TrainConfig, latest_checkpoint
-    from elmo_core.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
-
-    checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(args.run)
-    if checkpoint is None or not checkpoint.exists():
-        raise ElmoError(f"no checkpoint found ({args.checkpoint or args.run + '/checkpoints'})")
-    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    config = TrainConfig.model_validate_json(payload["config"])
-    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
-    bilm = BiLM(config.architecture(payload["model"]["softmax.weight"].shape[0]), vocab=vocab)
-    bilm.load_state_dict(payload["model"])
-    bilm.save_pretrained(args.out)
-    print(f"export: step {payload['step']} of {checkpoint} -> {args.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
+    step, checkpoint = export_checkpoint(args.checkpoint or args.run, args.out)
+    print(f"export: step {step} of {checkpoint} -> {args.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
 
 
 def _cmd_embed(args: argparse.Namespace) -> None:

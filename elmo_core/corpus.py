@@ -31,7 +31,10 @@ def write_default_corpus(path: str | Path) -> tuple[Path, int]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     paragraphs = [p for name in sorted(topics) for p in _prose_paragraphs(topics[name])]
+    text = "\n\n".join(paragraphs) + "\n"
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return path, len(paragraphs)  # unchanged: keep the file (and its mtime) so reruns see the same input
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path, len(paragraphs)

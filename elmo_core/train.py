@@ -237,6 +237,21 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
+    """A checkpoint (or a run folder's newest) ─► a bilm-tf/AllenNLP model directory; returns (step, checkpoint)."""
+    source = Path(checkpoint_or_run)
+    checkpoint = latest_checkpoint(source) if source.is_dir() else source
+    if checkpoint is None or not checkpoint.exists():
+        raise ConfigError(f"{source}: no checkpoint found")
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    config = TrainConfig.model_validate_json(payload["config"])
+    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
+    bilm = BiLM(config.architecture(payload["model"]["softmax.weight"].shape[0]), vocab=vocab)
+    bilm.load_state_dict(payload["model"])
+    bilm.save_pretrained(str(out))
+    return int(payload["step"]), checkpoint
+
+
 def _save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     directory = checkpoint_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
