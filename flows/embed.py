@@ -7,6 +7,7 @@ Units are independent; with ``run_on_dask`` (prefect-dask) they spread over a Da
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,12 @@ def embed_unit(config: EmbedConfig, model_dir: str, unit: dict[str, Any]) -> dic
     key = config.model_dump_json() + model_dir
     if key not in _EMBEDDERS:
         _EMBEDDERS[key] = Embedder(config, Path(model_dir))
-    return asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(config.out)))
+    return {**asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(config.out))), "pid": os.getpid()}
 
 
 @task(retries=2, retry_delay_seconds=5)
 def finish_embedding(config: EmbedConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
-    manifest = write_manifest(Path(config.out), [UnitResult(**r) for r in results])
+    manifest = write_manifest(Path(config.out), [UnitResult(**{k: v for k, v in r.items() if k != "pid"}) for r in results])
     out = Path(config.out).resolve()
     column = "elmo" if config.layers == "mix" else "layer_2"
     query = (
@@ -53,7 +54,8 @@ def finish_embedding(config: EmbedConfig, results: list[dict[str, Any]]) -> dict
         f"Try it in the `duckdb` shell:\n\n```sql\n{query}\n```\n",
         description="Where the vectors are, and a DuckDB query to try",
     )
-    return {"out": str(out), "rows": manifest["rows"], "files": manifest["files"], "query": query}
+    return {"out": str(out), "rows": manifest["rows"], "files": manifest["files"], "query": query,
+            "worker_processes": len({r["pid"] for r in results})}
 
 
 @flow(name="embed", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
