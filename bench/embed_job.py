@@ -1,0 +1,112 @@
+"""The whole embedding job (read Parquet → biLM → write Parquet) next to raw ``embed_sentences`` on the same
+sentences in the same run, bytes written per token, and the job's peak memory at 10k vs 100k sentences.
+
+    .venv/bin/python bench/embed_job.py [--shape small] [--sentences 2000] [--memory-sizes 10000,100000]
+
+Targets: job overhead <= 15% over the raw model; peak memory flat as the input grows (streamed row groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from corpus_gen import peak_rss_mb_of, zipf_words  # noqa: E402
+
+from elmo_core import BiLM  # noqa: E402
+from elmo_core.config import preset  # noqa: E402
+from elmo_core.embed import EmbedConfig, embed  # noqa: E402
+from elmo_core.ingest import IngestConfig, ingest  # noqa: E402
+from elmo_core.model import init_bilm_tf  # noqa: E402
+
+RUN_JOB = """
+import sys
+from elmo_core.embed import EmbedConfig, embed
+print(embed(EmbedConfig.model_validate_json(sys.argv[1])).line())
+"""
+
+
+def make_corpus(folder: Path, n_sentences: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    words = zipf_words(50_000, seed)
+    with open(folder / "text.txt", "w") as f:
+        for i in range(n_sentences):
+            ids = np.minimum(rng.zipf(1.2, size=rng.integers(10, 41)) - 1, len(words) - 1)
+            f.write(" ".join(words[ids]) + f" s{i}\n")
+    ingest(IngestConfig(sources=[str(folder / "text.txt")], out=str(folder / "ingest"), heldout_fraction=0.0, row_group_size=5000))
+    return folder / "ingest"
+
+
+def make_model(folder: Path, shape: str) -> Path:
+    torch.manual_seed(0)
+    bilm = BiLM(preset(shape))
+    init_bilm_tf(bilm)
+    bilm.save_pretrained(str(folder / shape))
+    return folder / shape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="small")
+    parser.add_argument("--sentences", type=int, default=2000)
+    parser.add_argument("--memory-shape", default="tiny")
+    parser.add_argument("--memory-sizes", default="10000,100000")
+    args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "c").mkdir()
+        corpus = make_corpus(root / "c", args.sentences)
+        model = make_model(root, args.shape)
+        import pyarrow.parquet as pq
+
+        sentences = [s for shard in sorted(corpus.glob("part-*.parquet")) for s in pq.read_table(shard, columns=["tokens"]).column(0).to_pylist()]
+        tokens = sum(len(s) for s in sentences)
+        bilm = BiLM.from_pretrained(str(model))
+        bilm.embed_sentences(sentences[:64])  # warm-up
+        start = time.perf_counter()
+        bilm.embed_sentences(sentences, batch_size=256)
+        raw = time.perf_counter() - start
+        del bilm
+        results = {}
+        for dtype in ("float32", "float16"):
+            out = root / f"out-{dtype}"
+            start = time.perf_counter()
+            embed(EmbedConfig(model=str(model), input=str(corpus), out=str(out), dtype=dtype))
+            seconds = time.perf_counter() - start
+            size = sum(p.stat().st_size for p in out.glob("part-*.parquet"))
+            results[dtype] = (seconds, size)
+        job = results["float32"][0]
+        print(f"{args.shape} shape, {len(sentences):,} sentences, {tokens:,} tokens")
+        print(f"{'':<34}{'seconds':>9}{'tok/s':>10}")
+        print(f"{'raw embed_sentences (baseline)':<34}{raw:>9.1f}{tokens / raw:>10,.0f}")
+        print(f"{'elmo embed job (Parquet in/out)':<34}{job:>9.1f}{tokens / job:>10,.0f}   overhead {100 * (job - raw) / raw:+.1f}%")
+        for dtype, (_, size) in results.items():
+            print(f"bytes per token written ({dtype}, elmo column of {preset(args.shape).lstm.projection_dim * 2}): {size / tokens:,.0f}")
+
+        print(f"\npeak memory of the job ({args.memory_shape} shape), as the input grows:")
+        small_model = make_model(root, args.memory_shape)
+        for n in (int(x) for x in args.memory_sizes.split(",")):
+            folder = root / f"m{n}"
+            folder.mkdir()
+            corpus_n = make_corpus(folder, n, seed=n)
+            config = EmbedConfig(model=str(small_model), input=str(corpus_n), out=str(folder / "out"))
+            seconds, peak, out = peak_rss_mb_of(RUN_JOB, config.model_dump_json())
+            print(f"  {n:>8,} sentences: peak {peak:,.0f} MB, {seconds:.0f} s  ({out.strip().split(' -> ')[0]})")
+
+
+if __name__ == "__main__":
+    main()
