@@ -200,3 +200,17 @@ def test_a_model_trained_here_separates_two_senses_that_layer_0_cannot(tmp_path)
     for layer in ("layer_1", "layer_2"):
         same, cross, nearest = separation(layer)
         assert same > cross and nearest >= 0.9, (layer, same, cross, nearest)
+
+
+def test_the_readme_apple_query_runs_on_an_embedding_of_the_probes(tmp_path, allennlp_dir):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    sql = readme.split("<!-- apple-query -->", 1)[1].split("```sql", 1)[1].split("```", 1)[0]
+    embed(EmbedConfig(model=str(allennlp_dir), input=str(ROOT / "data" / "probes" / "apple.txt"), out=str(tmp_path / "embed"),
+                      tokenizer="unicode"))
+    con = duckdb.connect()
+    statements = [s for s in sql.replace("data/embed/", f"{tmp_path}/embed/").split(";") if s.strip()]
+    for statement in statements[:-1]:
+        con.execute(statement)
+    rows = con.execute(statements[-1]).fetchall()
+    assert len(rows) == 6 and rows[0][0] == "apples" and rows[0][2] == pytest.approx(1.0, abs=1e-5)
+    assert all(rows[i][2] >= rows[i + 1][2] for i in range(5))

@@ -77,6 +77,29 @@ def _prefect(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedP
     return result
 
 
+def _check_mlflow_ui(env: dict, run_id: str, tmp_path: Path) -> None:
+    """The README's `mlflow ui --backend-store-uri ...` serves the run."""
+    port = _free_port()
+    log = open(tmp_path / "mlflow.log", "w")
+    ui = subprocess.Popen([str(BIN / "mlflow"), "ui", "--backend-store-uri", env["MLFLOW_TRACKING_URI"], "--host", "127.0.0.1",
+                           "--port", str(port), "--workers", "1"], env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=5) as r:
+                    assert json.loads(r.read())["run"]["info"]["run_id"] == run_id
+                break
+            except OSError:
+                if time.time() > deadline or ui.poll() is not None:
+                    raise RuntimeError(f"mlflow ui did not serve the run: {(tmp_path / 'mlflow.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+    finally:
+        _kill_group(ui)
+        log.close()
+
+
 def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
     env = prefect_server
     corpus = tmp_path / "corpus.txt"
@@ -105,6 +128,7 @@ def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
         assert mlrun.data.params["config.preset"] == "tiny"
         assert {"export", "checkpoint", "config.json"} <= {a.path for a in client.list_artifacts(mlrun.info.run_id)}
         version = client.get_latest_versions("elmo-e2e")[0].version
+        _check_mlflow_ui(env, mlrun.info.run_id, tmp_path)
 
         embed_params = {"config": {"model": f"models:/elmo-e2e/{version}", "input": str(tmp_path / "work" / "ingest"), "out": str(tmp_path / "emb")}}
         run = _prefect(env, "deployment", "run", "embed/embed", "--params", json.dumps(embed_params), "--watch", "--watch-timeout", "600", timeout=700)
