@@ -32,6 +32,24 @@ def write_text_corpus(path: Path, target_bytes: int, n_types: int = 200_000, see
     return tokens
 
 
+def _zipf_shards(n_tokens: int, n_types: int, seed: int, shard_tokens: int):
+    """(shard number, sentence lengths, token offsets, token strings) of Zipfian sentences, shard by shard."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    vocabulary = pa.array(zipf_words(n_types, seed).tolist(), pa.string())
+    written, shard = 0, 0
+    while written < n_tokens:
+        want = min(shard_tokens, n_tokens - written)
+        lengths = rng.integers(5, 41, size=want // 22 + 1)
+        lengths = lengths[: np.searchsorted(np.cumsum(lengths), want) + 1]
+        ids = np.minimum(rng.zipf(1.2, size=int(lengths.sum())) - 1, n_types - 1)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        yield shard, lengths, offsets, ids, pa.ListArray.from_arrays(offsets, vocabulary.take(pa.array(ids)))
+        written += int(lengths.sum())
+        shard += 1
+
+
 def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000) -> int:
     """An ingest-format dataset (part-*.parquet) of Zipfian sentences, built with Arrow (no Python per token)."""
     import pyarrow as pa
@@ -40,17 +58,9 @@ def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed:
     from elmo_core.ingest import SHARD_SCHEMA
 
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    vocabulary = pa.array(zipf_words(n_types, seed).tolist(), pa.string())
-    written, shard = 0, 0
-    while written < n_tokens:
-        want = min(shard_tokens, n_tokens - written)
-        lengths = rng.integers(5, 41, size=want // 22 + 1)
-        lengths = lengths[: np.searchsorted(np.cumsum(lengths), want) + 1]
-        total = int(lengths.sum())
-        ids = np.minimum(rng.zipf(1.2, size=total) - 1, n_types - 1)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        tokens = pa.ListArray.from_arrays(pa.array(offsets), vocabulary.take(pa.array(ids)))
+    rng = np.random.default_rng(seed + 1)
+    written = 0
+    for shard, lengths, _, _, tokens in _zipf_shards(n_tokens, n_types, seed, shard_tokens):
         n = len(lengths)
         names = [f"{shard}:{i}" for i in range(n)]
         split = np.where(rng.random(n) < 0.01, "heldout", "train")
@@ -58,8 +68,7 @@ def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed:
                           "n_tokens": pa.array(lengths.astype(np.int32)), "source": pa.array(["generated"] * n),
                           "split": pa.array(split)}, schema=SHARD_SCHEMA)
         pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
-        written += total
-        shard += 1
+        written += int(lengths.sum())
     return written
 
 
@@ -95,19 +104,10 @@ def write_token_id_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed
     from elmo_core.vocab import TOKEN_IDS_SCHEMA
 
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    vocabulary = pa.array(zipf_words(n_types, seed).tolist(), pa.string())
-    written, shard = 0, 0
-    while written < n_tokens:
-        want = min(shard_tokens, n_tokens - written)
-        lengths = rng.integers(5, 41, size=want // 22 + 1)
-        lengths = lengths[: np.searchsorted(np.cumsum(lengths), want) + 1]
-        ids = np.minimum(rng.zipf(1.2, size=int(lengths.sum())) - 1, n_types - 1)
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        table = pa.table({"sentence_id": [f"{shard}:{i}" for i in range(len(lengths))],
-                          "tokens": pa.ListArray.from_arrays(offsets, vocabulary.take(pa.array(ids))),
+    written = 0
+    for shard, lengths, offsets, ids, tokens in _zipf_shards(n_tokens, n_types, seed, shard_tokens):
+        table = pa.table({"sentence_id": [f"{shard}:{i}" for i in range(len(lengths))], "tokens": tokens,
                           "ids": pa.ListArray.from_arrays(offsets, pa.array((ids + 3).astype(np.int32)))}, schema=TOKEN_IDS_SCHEMA)
         pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
         written += int(lengths.sum())
-        shard += 1
     return written
