@@ -41,7 +41,7 @@ def _marker_row(char: int, max_chars: int) -> tuple[int, ...]:
     return tuple(row)
 
 
-@lru_cache(maxsize=1 << 17)
+@lru_cache(maxsize=1 << 14)  # hot tokens; bounded so long jobs keep flat memory
 def raw_char_ids(token: str, max_chars: int = MAX_CHARS) -> tuple[int, ...]:
     """Raw (0..260) char ids of one token: ``[BOW, bytes[:max_chars-2], EOW, PAD...]``."""
     if token == BOS_TOKEN:
