@@ -331,7 +331,7 @@ class _ShardWriter:
         self.tokenize = get_tokenizer(config.tokenizer)
         # zstd level 1 and no dictionary for the mostly-unique columns: writing is most of the cost of ingest
         self.writer = pq.ParquetWriter(tmp, SHARD_SCHEMA, compression="zstd", compression_level=1,
-                                       use_dictionary=["tokens", "source", "split"])
+                                       use_dictionary=["tokens.list.element", "source", "split"])
         self.records: list[str] = []
         self.texts: list[str] = []
         self.kept_hashes: list[np.ndarray] = []

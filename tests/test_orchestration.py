@@ -127,7 +127,7 @@ def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
         assert {"loss", "perplexity_forward", "perplexity_backward", "tokens_per_s", "heldout_perplexity"} <= set(mlrun.data.metrics)
         assert mlrun.data.params["config.preset"] == "tiny"
         assert {"export", "checkpoint", "config.json"} <= {a.path for a in client.list_artifacts(mlrun.info.run_id)}
-        version = client.get_latest_versions("elmo-e2e")[0].version
+        version = max(int(v.version) for v in client.search_model_versions("name = 'elmo-e2e'"))
         _check_mlflow_ui(env, mlrun.info.run_id, tmp_path)
 
         embed_params = {"config": {"model": f"models:/elmo-e2e/{version}", "input": str(tmp_path / "work" / "ingest"), "out": str(tmp_path / "emb")}}

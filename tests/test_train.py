@@ -239,7 +239,7 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     assert {"config.json", "export", "checkpoint"} <= artifacts
     exported = {a.path for a in client.list_artifacts(result.run_id, "export")}
     assert {"export/options.json", "export/weights.hdf5", "export/vocab.txt"} <= exported
-    version = client.get_latest_versions("elmo-test")[0]
+    version = max(client.search_model_versions("name = 'elmo-test'"), key=lambda v: int(v.version))
     mlflow.set_tracking_uri(uri)
     from elmo_core.tracking import resolve_model_dir
 
