@@ -120,10 +120,19 @@ def _step_matmuls(lstm: nn.LSTM, x: Tensor) -> tuple[Callable[[Tensor, Tensor], 
         _, packed_hh, packed_hr = cache
         linear = torch._C._nn.mkldnn_linear
 
-        def recurrent(gx: Tensor, h: Tensor) -> Tensor:
-            return linear(h.contiguous().to_mkldnn(), packed_hh, None).to_dense() + gx
+        def onednn(x: Tensor, packed: Tensor) -> Tensor:
+            # oneDNN keeps state for every distinct row count it has seen; rounding the rows up to a multiple
+            # of 16 bounds the number of shapes, so memory stays flat over long jobs
+            rows = x.shape[0]
+            padded = -(-rows // 16) * 16
+            if padded != rows:
+                x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+            return linear(x.contiguous().to_mkldnn(), packed, None).to_dense()[:rows]
 
-        project = (lambda m: linear(m.contiguous().to_mkldnn(), packed_hr, None).to_dense()) if packed_hr is not None else None
+        def recurrent(gx: Tensor, h: Tensor) -> Tensor:
+            return onednn(h, packed_hh) + gx
+
+        project = (lambda m: onednn(m, packed_hr)) if packed_hr is not None else None
         return recurrent, project
     w_hh_t = w_hh.t()
     w_hr_t = w_hr.t() if w_hr is not None else None
