@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 import tempfile
 import time
@@ -20,6 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus_gen import write_text_corpus  # noqa: E402
 
 from elmo_core.ingest import IngestConfig, ingest  # noqa: E402
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all its threads): MB per CPU second is the per-core rate."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -41,12 +48,14 @@ def main() -> None:
                 lines += 1
         raw = time.perf_counter() - start
 
+        cpu_before = _cpu_seconds()
         start = time.perf_counter()
         summary = ingest(IngestConfig(sources=[str(corpus)], out=str(Path(tmp) / "out")))
         took = time.perf_counter() - start
-        print(f"{'step':<34}{'seconds':>10}{'MB/s':>10}")
+        cpu = _cpu_seconds() - cpu_before
+        print(f"{'step':<34}{'seconds':>10}{'MB/s':>10}{'CPU s':>8}{'MB per CPU s':>14}")
         print(f"{'read lines (baseline)':<34}{raw:>10.1f}{size / raw:>10.1f}")
-        print(f"{'elmo ingest (whitespace, dedup)':<34}{took:>10.1f}{size / took:>10.1f}")
+        print(f"{'elmo ingest (whitespace, dedup)':<34}{took:>10.1f}{size / took:>10.1f}{cpu:>8.1f}{size / cpu:>14.1f}")
         print(f"ingest kept {summary.sentences:,} of {lines:,} lines ({summary.duplicates:,} duplicates), {summary.tokens:,} tokens")
 
 

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
@@ -336,6 +337,13 @@ class _ShardWriter:
         self.texts: list[str] = []
         self.kept_hashes: list[np.ndarray] = []
         self._in_file: set[int] = set()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-writer")
+        self._pending: Future | None = None
+
+    def _wait_for_write(self) -> None:
+        if self._pending is not None:
+            self._pending.result()  # re-raises a write error here
+            self._pending = None
 
     def add(self, record: str, text: str) -> None:
         pieces = split_sentences(text) if self.config.split_sentences else [text]
@@ -404,7 +412,9 @@ class _ShardWriter:
         if not keep.all():
             table = table.filter(pa.array(keep))
         if table.num_rows:
-            self.writer.write_table(table, row_group_size=self.config.row_group_size)
+            # Parquet encoding (Arrow, GIL released) overlaps with tokenizing the next block; one block in flight
+            self._wait_for_write()
+            self._pending = self._io.submit(self.writer.write_table, table, row_group_size=self.config.row_group_size)
         self.kept_hashes.append(hashes[keep])
         self.stats.sentences += table.num_rows
 
@@ -446,8 +456,12 @@ class _ShardWriter:
 
     def close(self) -> np.ndarray:
         """Finish the ``.tmp`` file; returns the hashes of the kept sentences."""
-        self.flush()
-        self.writer.close()
+        try:
+            self.flush()
+            self._wait_for_write()
+        finally:
+            self._io.shutdown(wait=True)
+            self.writer.close()
         return np.concatenate(self.kept_hashes) if self.kept_hashes else np.zeros(0, np.int64)
 
 
