@@ -9,7 +9,6 @@ Targets: job overhead <= 15% over the raw model; peak memory flat as the input g
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

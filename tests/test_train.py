@@ -4,7 +4,6 @@ NaN handling, MLflow tracking and the model registry, and 2-process DDP (real gl
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
