@@ -186,7 +186,6 @@ class Embedder:
         bilm, config = self.bilm, self.config
         vocab = sorted({t for s in sentences for t in s})
         bilm.cache_token_embeddings(vocab)  # the char CNN once per distinct word of the unit
-        index = {t: i + 1 for i, t in enumerate(vocab)}
         order = list(range(len(sentences))) if config.stateful else sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
         doc_ids, sentence_ids, texts = (group.column(c).to_pylist() for c in ("doc_id", "sentence_id", "text"))
         use_bf16 = config.bf16 and bilm.device.type == "cuda"
@@ -194,10 +193,7 @@ class Embedder:
         while start < len(order):
             batch = _take_batch(order, sentences, start, config.max_batch_tokens)
             start += len(batch)
-            longest = max(len(sentences[i]) for i in batch)
-            ids = torch.zeros(len(batch), longest, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : len(sentences[i])] = torch.tensor([index[t] for t in sentences[i]], dtype=torch.long)
+            ids = bilm.batch_to_token_ids([sentences[i] for i in batch])
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
                 out = bilm(ids.to(bilm.device), stateful=config.stateful)
             layers = torch.stack([layer.float() for layer in out["activations"]])  # (L+1, B, T, 2P)

@@ -239,7 +239,7 @@ def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
 
 
 def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str]]:
-    """(record position, text) of one input file; a record is a line, a paragraph, a JSON object or a row."""
+    """(record position, text) of one input file: a JSON line, a Parquet row, or (--split-sentences) a paragraph."""
     if fmt == "parquet":
         try:
             pf = pq.ParquetFile(path)
@@ -275,13 +275,7 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
                 continue
             yield f"l{line_no}", value
         return
-    if not config.split_sentences:
-        for line_no, line in _text_lines(path, stats):
-            if line.strip():
-                yield f"l{line_no}", line
-            else:
-                stats.empty_lines += 1
-        return
+    # plain text: one sentence per line goes through _text_blocks in _write_shard; here, paragraphs
     paragraph: list[str] = []
     start = 0
     for line_no, line in _text_lines(path, stats):

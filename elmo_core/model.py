@@ -350,6 +350,7 @@ class BiLM(nn.Module):
         self.register_buffer("boundary_char_ids", torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(), persistent=False)
         self._state: LstmState | None = None
         self._token_table: Tensor | None = None  # token-input mode: (V + 1, P), row 0 = padding
+        self._token_index: dict[str, int] = {}  # token-input mode: word → row of _token_table
 
     # --- construction, I/O ---------------------------------------------------------------------------
     @classmethod
@@ -413,23 +414,27 @@ class BiLM(nn.Module):
         return torch.cat(chunks) if chunks else torch.zeros(0, self.config.lstm.projection_dim, device=self.device)
 
     def cache_token_embeddings(self, vocab: Sequence[str]) -> None:
-        """Token-input mode: precompute layer 0 for ``vocab``; ``forward`` then accepts (B, T) ids = index + 1."""
-        self.vocab = list(vocab)
-        table = self.token_embeddings(self.vocab)
+        """Token-input mode: precompute layer 0 for ``vocab``; ``forward`` then accepts (B, T) ids = index + 1.
+
+        The cached words are kept apart from ``self.vocab`` (the softmax vocabulary a trained model carries).
+        """
+        words = list(vocab)
+        table = self.token_embeddings(words)
         self._token_table = torch.cat([table.new_zeros(1, table.shape[1]), table])
+        self._token_index = {token: i + 1 for i, token in enumerate(words)}
 
     def batch_to_token_ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
-        """(B, T) token-input ids (vocab index + 1, 0 = padding), without boundaries, for cached mode."""
-        if self.vocab is None:
-            raise ValueError("no vocabulary: call cache_token_embeddings(vocab) first")
-        index = {token: i + 1 for i, token in enumerate(self.vocab)}
+        """(B, T) token-input ids (cached index + 1, 0 = padding), without boundaries, for cached mode."""
+        if self._token_table is None:
+            raise ValueError("no cached vocabulary: call cache_token_embeddings(vocab) first")
+        index = self._token_index
         longest = max((len(s) for s in sentences), default=0)
         ids = torch.zeros(len(sentences), longest, dtype=torch.long)
         for b, sentence in enumerate(sentences):
-            for t, token in enumerate(sentence):
-                if token not in index:
-                    raise KeyError(f"token {token!r} (sentence {b}, position {t}) is not in the cached vocabulary")
-                ids[b, t] = index[token]
+            try:
+                ids[b, : len(sentence)] = torch.tensor([index[token] for token in sentence], dtype=torch.long)
+            except KeyError as exc:
+                raise KeyError(f"token {exc.args[0]!r} (sentence {b}) is not in the cached vocabulary") from None
         return ids
 
     # --- forward -------------------------------------------------------------------------------------
