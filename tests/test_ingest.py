@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import hashlib
 import json
 import signal
 import subprocess
@@ -12,12 +13,15 @@ import time
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_core.ingest import SHARD_SCHEMA, IngestConfig, ingest, shard_paths
-from elmo_core.tokenize import split_sentences, unicode_tokens
+import elmo_core.ingest as ingest_module
+from elmo_core.ingest import SHARD_SCHEMA, IngestConfig, _HashSet, ingest, sentence_hashes, shard_paths
+from elmo_core.tokenize import _only_ascii_separators, split_sentences, split_whitespace, unicode_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,3 +200,58 @@ def test_crlf_and_whitespace_only_lines_give_no_empty_tokens(tmp_path):
     assert sorted(r["text"] for r in rows) == ["five", "one two", "three   four"]
     assert all("" not in r["tokens"] for r in rows)
     assert summary.sentences == 3
+
+
+def test_whitespace_split_matches_str_split_for_every_separator():
+    """The ASCII fast path is taken only where it splits exactly like str.split (all separators are in the BMP)."""
+    texts = [f"a{chr(c)}b c" for c in range(1, 0x10000) if not 0xD800 <= c < 0xE000]
+    fast = [t for t in texts if _only_ascii_separators(t.encode())]
+    slow = set(texts) - set(fast)
+    assert all(len(t.split()) == 3 for t in slow) and len(slow) == 23  # only the rare separators go the slow way
+    assert len(fast) > 60_000 and "a\u2014b c" in fast and "a\u00a0b c" not in fast and "a\u3000b c" not in fast
+    assert pc.ascii_split_whitespace(pa.array(fast)).to_pylist() == [t.split() for t in fast]
+    mixed = pa.array(["x\u00a0y z", "in\u2003 between", "plain  words", "—dash— ’quote’"])
+    assert split_whitespace(mixed).to_pylist() == [t.split() for t in mixed.to_pylist()]
+    assert split_whitespace(pa.array(["a b", "c\td"])).to_pylist() == [["a", "b"], ["c", "d"]]
+
+
+def test_sentence_hashes_are_md5_numbers():
+    """The dedup keys (stored in the manifest) and the split draw stay MD5-defined: equal to DuckDB's
+    md5_number_lower and to hashlib's digest, whichever way they are computed."""
+    texts = ["", "a", "naïve 苹果 text", "x" * 10_000]
+    con = duckdb.connect()
+    ours = sentence_hashes(con, pa.array(texts)).tolist()
+    expected = [int.from_bytes(hashlib.md5(t.encode()).digest()[8:], "little", signed=True) for t in texts]
+    duck = [int(np.uint64(con.execute("SELECT md5_number_lower(?)", [t]).fetchone()[0]).view(np.int64)) for t in texts]
+    assert ours == expected == duck
+
+
+def test_hash_set_matches_a_python_set():
+    rng = np.random.default_rng(0)
+    seen, reference = _HashSet(), set()
+    for _ in range(40):
+        batch = np.unique(rng.integers(-(2**40), 2**40, size=int(rng.integers(0, 3000))))
+        fresh = batch[~seen.contains(batch)]
+        assert set(fresh.tolist()) == set(batch.tolist()) - reference
+        seen.add(fresh)
+        reference |= set(fresh.tolist())
+    assert sorted(seen.values().tolist()) == sorted(reference)
+    assert len(seen._runs) <= 12  # runs are merged: lookups stay a handful of binary searches
+
+
+def test_block_boundaries_change_nothing(tmp_path, monkeypatch):
+    """Text is read in blocks cut at line ends; tiny blocks give the same rows as one block, and the rows
+    agree with str.split whatever the line endings, separators or invalid bytes."""
+    lines = [b"one two\r", b"", b"  three\xc2\xa0four  ", b"five\xe2\x80\x94six", b"bro\xffken line", b"\t", b"ideo\xe3\x80\x80graphic",
+             " ".join(f"w{i}" for i in range(250)).encode(), b"last line, no newline"]
+    (tmp_path / "a.txt").write_bytes(b"\n".join(lines))
+    whole = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "one"), max_tokens=100))
+    monkeypatch.setattr(ingest_module, "READ_BLOCK_BYTES", 7)
+    pieces = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "many"), max_tokens=100))
+    rows = _rows(tmp_path / "one")
+    assert rows == _rows(tmp_path / "many")
+    assert (whole.sentences, whole.invalid_utf8_lines, whole.tokens) == (pieces.sentences, pieces.invalid_utf8_lines, pieces.tokens) == (9, 1, 263)
+    assert all(r["tokens"] == r["text"].split() for r in rows)
+    by_id = {r["sentence_id"].split(":", 1)[1]: r["text"] for r in rows}
+    assert by_id["l1:0"] == "one two" and by_id["l3:0"] == "three\xa0four" and by_id["l5:0"] == "bro\ufffdken line"
+    assert by_id["l8:2"] == " ".join(f"w{i}" for i in range(200, 250)) and by_id["l9:0"] == "last line, no newline"
