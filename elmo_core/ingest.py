@@ -444,6 +444,8 @@ class _ShardWriter:
             self._write(texts, records, one_per_record=not self.config.split_sentences)
 
     def _write(self, texts: pa.StringArray, records: pa.StringArray, one_per_record: bool, source: bytes | None = None) -> None:
+        if not len(texts):
+            return
         texts = pc.utf8_trim_whitespace(texts)  # also drops the newline, and the \r of CRLF files
         if self.config.tokenizer == "whitespace":
             tokens = split_whitespace(texts, source)
@@ -451,7 +453,8 @@ class _ShardWriter:
             tokens = pa.array([self.tokenize(t) for t in texts.to_pylist()], pa.list_(pa.string()))
         counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
         # Arrow splits "" into [""]: a trimmed empty text has no tokens whatever the count says
-        empty = (counts == 0) | (pc.utf8_length(texts).to_numpy(zero_copy_only=False) == 0)
+        offsets = np.frombuffer(texts.buffers()[1], np.int32)[texts.offset : texts.offset + len(texts) + 1]
+        empty = (counts == 0) | (offsets[1:] == offsets[:-1])
         if empty.any():  # blank lines, or text without a single token
             self.stats.empty_lines += int(empty.sum())
             nonempty = np.flatnonzero(~empty)
