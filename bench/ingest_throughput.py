@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus_gen import write_text_corpus  # noqa: E402
 
-from elmo_core.ingest import IngestConfig, ingest  # noqa: E402
+from elmo_core.ingest import IngestConfig, IngestSummary, ingest  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -48,7 +48,7 @@ def main() -> None:
                 lines += 1
         raw = time.perf_counter() - start
 
-        def timed_ingest(source: Path, out: str) -> tuple[float, float, object]:
+        def timed_ingest(source: Path, out: str) -> tuple[float, float, IngestSummary]:
             cpu_before, start = _cpu_seconds(), time.perf_counter()
             summary = ingest(IngestConfig(sources=[str(source)], out=str(Path(tmp) / out)))
             return time.perf_counter() - start, _cpu_seconds() - cpu_before, summary

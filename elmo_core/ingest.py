@@ -245,29 +245,22 @@ def _line_array(data: memoryview, ends: np.ndarray, path: Path, first_line: int,
     Each line keeps its newline (the trim in ``_ShardWriter`` drops it). Arrow validates the UTF-8; a block
     with invalid bytes takes the line-by-line path of ``_decode_lines``.
     """
-    if len(data) >= 1 << 31:  # beyond 32-bit offsets (a single huge line): Arrow chunks it
-        return pa.array(_decode_lines(bytes(data), path, first_line, stats), pa.string())
-    offsets = np.zeros(len(ends) + 1, np.int32)
-    offsets[1:] = ends
-    lines = pa.StringArray.from_buffers(len(ends), pa.py_buffer(offsets), pa.py_buffer(data))
-    try:
-        lines.validate(full=True)  # UTF-8 included
-    except pa.ArrowInvalid:
-        return pa.array(_decode_lines(bytes(data), path, first_line, stats), pa.string())
-    return lines
-
-
-def _text_blocks(path: Path, stats: FileStats) -> Iterator[tuple[int, list[str]]]:
-    """(number of lines before, lines) of a text file, decoded to str."""
-    for before, data, _ in _line_blocks(path):
-        yield before, _decode_lines(bytes(data), path, before + 1, stats)
+    if len(data) < 1 << 31:  # else beyond 32-bit offsets (a single huge line): pa.array chunks it
+        offsets = np.zeros(len(ends) + 1, np.int32)
+        offsets[1:] = ends
+        lines = pa.StringArray.from_buffers(len(ends), pa.py_buffer(offsets), pa.py_buffer(data))
+        try:
+            lines.validate(full=True)  # UTF-8 included
+            return lines
+        except pa.ArrowInvalid:
+            pass
+    return pa.array(_decode_lines(bytes(data), path, first_line, stats), pa.string())
 
 
 def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line) of a text file."""
-    for before, lines in _text_blocks(path, stats):
-        for i, line in enumerate(lines, before + 1):
-            yield i, line
+    """(1-based line number, line) of a text file, decoded to str."""
+    for before, data, _ in _line_blocks(path):
+        yield from enumerate(_decode_lines(bytes(data), path, before + 1, stats), before + 1)
 
 
 def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str]]:
@@ -307,7 +300,7 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
                 continue
             yield f"l{line_no}", value
         return
-    # plain text: one sentence per line goes through _text_blocks in _write_shard; here, paragraphs
+    # plain text: one sentence per line goes through _line_array in _write_shard; here, paragraphs
     paragraph: list[str] = []
     start = 0
     for line_no, line in _text_lines(path, stats):
