@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,10 +16,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
 
 
-def _shared_fixture_model() -> Path | None:
-    """The AllenNLP fixture biLM (TF-trained, tiny) when the shared fixtures sit beside the checkout."""
-    shared = Path(os.environ.get("ELMO_SHARED_DIR", PROJECT_ROOT.parent / "shared"))
-    model = shared / "fixtures" / "allennlp_elmo"
+def _fixture_model() -> Path | None:
+    """The AllenNLP fixture biLM (TF-trained, tiny) that ships with the repository's tests."""
+    model = PROJECT_ROOT / "tests" / "fixtures" / "allennlp_elmo"
     return model if (model / "options.json").exists() else None
 
 
@@ -32,7 +30,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
     from elmo_core.model import init_bilm_tf
 
     log = logging.getLogger("elmo.demo")
-    model_dir = Path(args.model) if args.model else _shared_fixture_model()
+    model_dir = Path(args.model) if args.model else _fixture_model()
     if model_dir is not None:
         bilm = BiLM.from_pretrained(str(model_dir), weight_file=str(model_dir / "lm_weights.hdf5") if (model_dir / "lm_weights.hdf5").exists() else None)
         source = str(model_dir)
@@ -43,7 +41,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
         out = PROJECT_ROOT / "data" / "models" / "random-tiny"
         fresh.save_pretrained(str(out))
         bilm = BiLM.from_pretrained(str(out))
-        source = f"{out} (random weights: no trained model given and no shared fixtures found)"
+        source = f"{out} (random weights: no trained model given and no fixture model in this checkout)"
     log.info("model: %s", source)
     sentences = [line.split() for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
     start = time.perf_counter()
@@ -197,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the "
         "'apple' contexts. Example: elmo demo --model path/to/model_dir",
     )
-    demo.add_argument("--model", help="model directory (options.json + weights.hdf5); default: the shared fixture model")
+    demo.add_argument("--model", help="model directory (options.json + weights.hdf5); default: the fixture model in tests/fixtures")
     demo.add_argument("--input", default=str(PROBES), help="whitespace-tokenized sentences, one per line")
     demo.set_defaults(func=_cmd_demo)
 

@@ -1,32 +1,24 @@
-"""Shared test fixtures: paths to the TF-generated reference models in ``../shared/fixtures``."""
+"""Shared test fixtures: the TF-generated reference models shipped in ``tests/fixtures`` (see its README)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("ELMO_SHARED_DIR", ROOT.parent / "shared"))
-FIXTURES = SHARED / "fixtures"
-
-
-def _require(path: Path) -> Path:
-    if not path.exists():
-        pytest.fail(f"reference fixtures not found at {path} (set ELMO_SHARED_DIR to the shared/ folder)")
-    return path
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 @pytest.fixture(scope="session")
 def bilm_tf_dir() -> Path:
-    return _require(FIXTURES / "bilm_tf")
+    return FIXTURES / "bilm_tf"
 
 
 @pytest.fixture(scope="session")
 def allennlp_dir() -> Path:
-    return _require(FIXTURES / "allennlp_elmo")
+    return FIXTURES / "allennlp_elmo"
 
 
 @pytest.fixture(scope="session")

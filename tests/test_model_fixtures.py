@@ -1,4 +1,4 @@
-"""The biLM against the outputs the original TensorFlow code produced (shared/fixtures, atol 1e-5)."""
+"""The biLM against the outputs the original TensorFlow code produced (tests/fixtures, atol 1e-5)."""
 
 from __future__ import annotations
 
