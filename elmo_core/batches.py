@@ -22,10 +22,8 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, MAX_CHARS, raw_char_ids
-from elmo_core.errors import ConfigError
-
-BOS_ID, EOS_ID = 0, 1  # vocab ids of <S> and </S> (bilm-tf training vocab order)
+from elmo_core.chars import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, MAX_CHARS, raw_char_ids
+from elmo_core.errors import InputError
 
 
 class _CharTable:
@@ -61,7 +59,7 @@ class SentenceStream:
                  loop: bool = True, reverse: bool = False) -> None:
         self.units = [_Unit(str(f), g) for f in files for g in range(pq.ParquetFile(f).num_row_groups)]
         if not self.units:
-            raise ConfigError("no token-id row groups to read (is the split empty?)")
+            raise InputError("no token-id row groups to read (is the split empty?)")
         self.seed, self.rank, self.world = seed, rank, world
         self.shuffle, self.loop, self.reverse = shuffle, loop, reverse
         self.epoch, self.unit, self.offset = 0, 0, 0  # the next sentence is #offset of this rank's share of unit
@@ -159,7 +157,7 @@ class LMBatcher:
                  loop: bool = True, max_chars: int = MAX_CHARS) -> None:
         files = sorted(Path(token_id_dir).glob("part-*.parquet"))
         if not files:
-            raise ConfigError(f"{token_id_dir}: no token-id files (part-*.parquet); run `elmo vocab` first")
+            raise InputError(f"{token_id_dir}: no token-id files (part-*.parquet); run `elmo vocab` first")
         chars = _CharTable(max_chars)
         self.loop = loop
         self.forward = _RowPacker(SentenceStream(files, seed, rank, world, shuffle, loop), batch_size, unroll_steps, chars)

@@ -34,6 +34,14 @@ BOS_TOKEN = "<S>"
 EOS_TOKEN = "</S>"
 UNK_TOKEN = "<UNK>"
 
+# A training vocabulary (bilm-tf's vocab.txt) starts with these three, in this order; their ids are fixed.
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+BOS_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+# Inference ids are raw ids + 1, which frees 0 to mean "padding token"; the model reads only those.
+INFERENCE_OFFSET = 1
+PAD_ID = PAD_CHAR + INFERENCE_OFFSET  # in-word padding as the model reads it
+
 
 def _marker_row(char: int, max_chars: int) -> tuple[int, ...]:
     row = [PAD_CHAR] * max_chars
@@ -58,7 +66,7 @@ def raw_char_ids(token: str, max_chars: int = MAX_CHARS) -> tuple[int, ...]:
 
 def char_ids(token: str, max_chars: int = MAX_CHARS) -> list[int]:
     """Inference (+1) char ids of one token, as bilm-tf's ``Batcher`` and AllenNLP produce them."""
-    return [c + 1 for c in raw_char_ids(token, max_chars)]
+    return [c + INFERENCE_OFFSET for c in raw_char_ids(token, max_chars)]
 
 
 def tokens_to_char_array(tokens: Sequence[str], max_chars: int = MAX_CHARS, raw: bool = False) -> np.ndarray:
@@ -67,7 +75,7 @@ def tokens_to_char_array(tokens: Sequence[str], max_chars: int = MAX_CHARS, raw:
     for i, token in enumerate(tokens):
         out[i] = raw_char_ids(token, max_chars)
     if not raw:
-        out += 1
+        out += INFERENCE_OFFSET
     return out
 
 

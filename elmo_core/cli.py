@@ -1,19 +1,124 @@
-"""The ``elmo`` command. One subcommand per stage; user errors exit non-zero with one clear line."""
+"""The ``elmo`` command: one subcommand per stage, its flags generated from that stage's options model.
+
+Every field of the model (``elmo_core.options``) is a flag with the field's description as help; a field
+``batch_size`` is ``--batch-size``, a bool is ``--dedup/--no-dedup``, a list takes several values, null is
+``none``. Values merge in one order: field defaults < ``--config FILE`` (YAML or JSON) < flags. User errors
+(``ElmoError``, file and MLflow errors) print one line and exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+import types
+import typing
 from pathlib import Path
+from typing import Any, Callable, Literal
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
-from elmo_core.errors import ElmoError
+from elmo_core.config import load_config_file
+from elmo_core.errors import ConfigError, ElmoError
+from elmo_core.options import (DemoConfig, EmbedConfig, ExportConfig, IngestConfig, InfoConfig, Options, PerplexityConfig,
+                               QueryConfig, TrainConfig, VocabConfig)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
+log = logging.getLogger("elmo")
+
+
+# ----- flags from fields ------------------------------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """(X, True) for ``X | None``; (annotation, False) otherwise."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return annotation, False
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _scalar(kind: Any, nullable: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if nullable and text.lower() in ("none", "null"):
+            return None
+        return kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its errors
+    return parse
+
+
+def _structured(text: str) -> Any:
+    """A nested model's value: inline JSON, or a YAML/JSON file."""
+    return json.loads(text) if text.lstrip().startswith("{") else load_config_file(text)
+
+
+_structured.__name__ = "JSON or file"
+
+
+def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], positional: tuple[str, ...] = ()) -> None:
+    """One argument per field of ``model``; values not given stay out of the namespace (so defaults stay the model's)."""
+    for name, field in model.model_fields.items():
+        kind, nullable = _unwrap_optional(field.annotation)
+        default = field.default if field.default is not PydanticUndefined else None
+        help_text = field.description or ""
+        if field.is_required():
+            help_text += " (required)"
+        elif default is not None and kind is not bool:
+            help_text += f" (default: {default})"
+        options: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
+        origin = typing.get_origin(kind)
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+            options["help"] = help_text + (f" (default: {'on' if default else 'off'})" if default is not None else "")
+        elif origin is Literal:
+            options["choices"] = [str(v) for v in typing.get_args(kind)]
+        elif origin is list:
+            (item,) = typing.get_args(kind)
+            options.update(nargs="+", type=_scalar(item, False), metavar=_METAVARS.get(item, "VALUE"))
+        elif isinstance(kind, type) and issubclass(kind, BaseModel):
+            options.update(type=_structured, metavar="JSON|FILE")
+        else:
+            options.update(type=_scalar(kind, nullable), metavar=_METAVARS.get(kind, "VALUE"))
+        if name in positional:
+            options.pop("default")
+            parser.add_argument(name, **options)
+        else:
+            flags = [_flag(name), "-" + name] if len(name) == 1 else [_flag(name)]  # -k as well as --k
+            parser.add_argument(*flags, dest=name, **options)
+
+
+def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
+    """The command's options: field defaults < ``--config`` file < flags, validated in one go."""
+    data: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
+    data.update({name: value for name, value in vars(args).items() if name in model.model_fields})
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            flag = _flag(where) if where in model.model_fields else (where or "options")
+            got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
+            problems.append(f"{flag}: {error['msg']}{got}")
+        source = f" (with {args.config})" if getattr(args, "config", None) else ""
+        raise ConfigError("; ".join(problems) + source) from None
+
+
+# ----- the commands ---------------------------------------------------------------------------------------
 
 
 def _fixture_model() -> Path | None:
@@ -22,17 +127,16 @@ def _fixture_model() -> Path | None:
     return model if (model / "options.json").exists() else None
 
 
-def _cmd_demo(args: argparse.Namespace) -> None:
+def cmd_demo(config: DemoConfig) -> None:
     import torch
 
     from elmo_core import BiLM
     from elmo_core.config import tiny
     from elmo_core.model import init_bilm_tf
 
-    log = logging.getLogger("elmo.demo")
-    model_dir = Path(args.model) if args.model else _fixture_model()
+    model_dir = Path(config.model) if config.model else _fixture_model()
     if model_dir is not None:
-        bilm = BiLM.from_pretrained(str(model_dir), weight_file=str(model_dir / "lm_weights.hdf5") if (model_dir / "lm_weights.hdf5").exists() else None)
+        bilm = BiLM.from_pretrained(str(model_dir))
         source = str(model_dir)
     else:
         torch.manual_seed(0)
@@ -43,7 +147,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
         bilm = BiLM.from_pretrained(str(out))
         source = f"{out} (random weights: no trained model given and no fixture model in this checkout)"
     log.info("model: %s", source)
-    sentences = [line.split() for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
+    sentences = [line.split() for line in Path(config.input or PROBES).read_text(encoding="utf-8").splitlines() if line.strip()]
     start = time.perf_counter()
     vectors = bilm.embed_sentences(sentences)
     elapsed = time.perf_counter() - start
@@ -66,70 +170,50 @@ def _cmd_demo(args: argparse.Namespace) -> None:
             print(f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in sims[j]))
 
 
-def _cmd_info(args: argparse.Namespace) -> None:
+def cmd_info(config: InfoConfig) -> None:
     from elmo_core import BiLM
+    from elmo_core.tracking import resolve_model_dir
 
-    bilm = BiLM.from_pretrained(args.model)
+    bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)))
     cfg = bilm.config
     n_params = sum(p.numel() for n, p in bilm.named_parameters() if not n.endswith("bias_hh_l0") and not n.startswith("softmax"))
-    print(f"{args.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, {cfg.char_cnn.n_filters} filters, "
+    print(f"{config.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, {cfg.char_cnn.n_filters} filters, "
           f"{cfg.char_cnn.n_highway} highway, skip={cfg.lstm.use_skip_connections}, clips={cfg.lstm.cell_clip}/{cfg.lstm.proj_clip}, "
           f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
           f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}")
 
 
-def _cmd_ingest(args: argparse.Namespace) -> None:
-    from elmo_core.ingest import IngestConfig, ingest
+def cmd_ingest(config: IngestConfig) -> None:
+    from elmo_core.ingest import ingest
 
-    config = IngestConfig(
-        sources=args.sources, out=args.out, tokenizer=args.tokenizer, split_sentences=args.split_sentences,
-        text_field=args.text_field, text_column=args.text_column, heldout_fraction=args.heldout_fraction,
-        max_tokens=args.max_tokens, dedup=not args.no_dedup, memory_limit=args.memory_limit,
-    )
     summary = ingest(config)
     for problem in summary.warnings:
         print(f"warning: {problem}", file=sys.stderr)
     for error in summary.errors:
         print(f"error: {error}", file=sys.stderr)
-    print(summary.line() + f" -> {args.out}")
+    print(summary.line() + f" -> {config.out}")
     if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
         raise ElmoError(f"no input could be ingested ({summary.files_failed} failed)")
 
 
-def _cmd_vocab(args: argparse.Namespace) -> None:
-    from elmo_core.vocab import VocabConfig, build_vocab
+def cmd_vocab(config: VocabConfig) -> None:
+    from elmo_core.vocab import build_vocab
 
-    config = VocabConfig(corpus=args.corpus, db=args.db, min_count=args.min_count, max_size=args.max_size,
-                         vocab_file=args.vocab_file, memory_limit=args.memory_limit)
     stats = build_vocab(config)
-    vocab_txt = Path(args.db).with_name("vocab.txt")
+    vocab_txt = Path(config.db).with_name("vocab.txt")
     print(f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens ({stats['train_types']:,} types); "
-          f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {args.db}, {vocab_txt}")
+          f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {config.db}, {vocab_txt}")
 
 
-def _cmd_train(args: argparse.Namespace) -> None:
-    from elmo_core.train import TrainConfig, describe_perplexity, train
+def cmd_train(config: TrainConfig) -> None:
+    from elmo_core.train import describe_perplexity, train
 
-    overrides = {"data": args.data, "out": args.out, "preset": args.preset, "max_steps": args.max_steps, "device": args.device,
-                 "init_from": args.init_from}
-    if args.config:
-        config = TrainConfig.from_file(args.config, **overrides)
-    else:
-        if not args.data or not args.out:
-            raise ElmoError("give --config FILE, or at least --data and --out")
-        config = TrainConfig(**{k: v for k, v in overrides.items() if v is not None})
-    updates = {}
-    if args.resume:
-        updates["resume"] = True
-    if args.no_mlflow:
-        updates["tracking"] = "none"
-    config = config.model_copy(update=updates)
     result = train(config)
     print(f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} -> {result.model_dir}"
           + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else ""))
 
 
-def _cmd_perplexity(args: argparse.Namespace) -> None:
+def cmd_perplexity(config: PerplexityConfig) -> None:
     import tempfile
 
     from elmo_core import BiLM
@@ -138,191 +222,128 @@ def _cmd_perplexity(args: argparse.Namespace) -> None:
     from elmo_core.train import evaluate
     from elmo_core.vocab import write_token_ids
 
-    bilm = BiLM.from_pretrained(str(resolve_model_dir(args.model)), device=args.device)
+    bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)), device=config.device)
     if bilm.softmax is None or bilm.vocab is None:
-        raise ElmoError(f"{args.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt")
-    shards = [str(p) for p in shard_paths(args.corpus)]
+        raise ConfigError(f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt")
+    shards = [str(p) for p in shard_paths(config.corpus)]
     if not shards:
-        raise ElmoError(f"{args.corpus}: no part-*.parquet shards; run `elmo ingest` first")
+        raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
     with tempfile.TemporaryDirectory() as tmp:
         write_token_ids(shards, bilm.vocab, Path(tmp))
-        result = evaluate(bilm, Path(tmp) / args.split, args.batch_size, 20, args.max_batches)
+        result = evaluate(bilm, Path(tmp) / config.split, config.batch_size, 20, config.max_batches)
     print(f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
-          f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {args.split} tokens of {args.corpus}")
+          f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens of {config.corpus}")
 
 
-def _cmd_export(args: argparse.Namespace) -> None:
+def cmd_export(config: ExportConfig) -> None:
     from elmo_core.train import export_checkpoint
 
-    step, checkpoint = export_checkpoint(args.checkpoint or args.run, args.out)
-    print(f"export: step {step} of {checkpoint} -> {args.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
+    step, checkpoint = export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]
+    print(f"export: step {step} of {checkpoint} -> {config.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
 
 
-def _cmd_embed(args: argparse.Namespace) -> None:
-    from elmo_core.embed import EmbedConfig, embed
+def cmd_embed(config: EmbedConfig) -> None:
+    from elmo_core.embed import embed
 
-    config = EmbedConfig(model=args.model, input=args.input, out=args.out, layers=args.layers, mix_weights=args.mix_weights,
-                         gamma=args.gamma, dtype=args.dtype, pool=args.pool, split=args.split, tokenizer=args.tokenizer,
-                         max_batch_tokens=args.max_batch_tokens, stateful=args.stateful, device=args.device, bf16=args.bf16)
     print(embed(config).line())
 
 
-def _cmd_query(args: argparse.Namespace) -> None:
+def cmd_query(config: QueryConfig) -> None:
     from elmo_core.query import EmbeddingStore
 
-    store = EmbeddingStore(args.embeddings)
-    if args.similar_to:
-        results = store.similar_sentences(args.similar_to, args.k, args.layer)
-        for n in results:
+    store = EmbeddingStore(config.embeddings)
+    if config.similar_to:
+        for n in store.similar_sentences(config.similar_to, config.k, config.layer):
             print(f"{n.similarity:7.4f}  {n.sentence_id}  {n.text}")
         return
-    if not args.token:
-        raise ElmoError("give --token (with --sentence or --sentence-id), or --similar-to SENTENCE_ID")
-    sid, index, text = store.locate(args.token, args.sentence, args.sentence_id)
-    print(f"nearest to {args.token!r} (token {index}) in: {text}")
-    for n in store.nearest_tokens(args.token, args.sentence, args.sentence_id, args.k, args.layer, args.like):
+    if not config.token:
+        raise ConfigError("give --token (with --sentence or --sentence-id), or --similar-to SENTENCE_ID")
+    sid, index, text = store.locate(config.token, config.sentence, config.sentence_id)
+    print(f"nearest to {config.token!r} (token {index}) in: {text}")
+    for n in store.nearest_tokens(config.token, config.sentence, config.sentence_id, config.k, config.layer, config.like):
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
+
+
+# name: (options model, handler, positional fields, one-line help, description with an example)
+COMMANDS: dict[str, tuple[type[Options], Callable[[Any], None], tuple[str, ...], str, str]] = {
+    "demo": (DemoConfig, cmd_demo, (), "embed the probe sentences and print a summary",
+             "Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the 'apple' contexts. "
+             "Example: elmo demo --model path/to/model_dir"),
+    "ingest": (IngestConfig, cmd_ingest, ("sources",), "corpus files -> tokenized, deduplicated Parquet",
+               "Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL or Parquet "
+               "files, folders or globs; write OUT/part-*.parquet and OUT/_manifest.duckdb. Re-running skips files already "
+               "ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest"),
+    "vocab": (VocabConfig, cmd_vocab, (), "vocabulary, char ids and token ids in DuckDB",
+              "Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, corpus_stats to "
+              "--db, vocab.txt beside it, and token ids per split under token_ids/. "
+              "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3"),
+    "train": (TrainConfig, cmd_train, (), "train or fine-tune the biLM",
+              "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
+              "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
+              "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small"),
+    "perplexity": (PerplexityConfig, cmd_perplexity, (), "full-softmax perplexity of a model on a corpus",
+                   "Example: elmo perplexity --model data/train/model --corpus data/ingest"),
+    "export": (ExportConfig, cmd_export, (), "checkpoint -> bilm-tf/AllenNLP model directory",
+               "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo"),
+    "embed": (EmbedConfig, cmd_embed, (), "corpus -> contextual vectors in Parquet",
+              "Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per token (or per "
+              "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
+              "Example: elmo embed --model data/train/model --input data/ingest --out data/embed"),
+    "query": (QueryConfig, cmd_query, ("embeddings",), "nearest tokens-in-context / similar sentences with DuckDB",
+              "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'"),
+    "info": (InfoConfig, cmd_info, ("model",), "describe a model directory", "Example: elmo info data/export"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (and the kernels that ran)")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser(
-        "demo",
-        help="embed the probe sentences and print a summary",
-        description="Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the "
-        "'apple' contexts. Example: elmo demo --model path/to/model_dir",
-    )
-    demo.add_argument("--model", help="model directory (options.json + weights.hdf5); default: the fixture model in tests/fixtures")
-    demo.add_argument("--input", default=str(PROBES), help="whitespace-tokenized sentences, one per line")
-    demo.set_defaults(func=_cmd_demo)
-
-    ing = sub.add_parser(
-        "ingest",
-        help="corpus files -> tokenized, deduplicated Parquet",
-        description="Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL "
-        "or Parquet files, folders or globs; write OUT/part-*.parquet and OUT/manifest.duckdb. Re-running skips "
-        "files already ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest",
-    )
-    ing.add_argument("sources", nargs="+", help="files, folders or glob patterns")
-    ing.add_argument("--out", required=True, help="output dataset folder")
-    ing.add_argument("--tokenizer", choices=["whitespace", "unicode", "chinese"], default="whitespace")
-    ing.add_argument("--split-sentences", action="store_true", help="text holds paragraphs: split them into sentences")
-    ing.add_argument("--text-field", default="text", help="JSONL field with the text (default: text)")
-    ing.add_argument("--text-column", default="text", help="Parquet column with the text (default: text)")
-    ing.add_argument("--heldout-fraction", type=float, default=0.01, help="share of sentences held out (default 0.01)")
-    ing.add_argument("--max-tokens", type=int, default=250, help="split longer sentences (default 250)")
-    ing.add_argument("--no-dedup", action="store_true", help="keep exact duplicate sentences")
-    ing.add_argument("--memory-limit", default="2GB", help="DuckDB memory limit (default 2GB)")
-    ing.set_defaults(func=_cmd_ingest)
-
-    voc = sub.add_parser(
-        "vocab",
-        help="vocabulary, char ids and token ids in DuckDB",
-        description="Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, "
-        "corpus_stats to --db, vocab.txt beside it, and token ids per split under token_ids/. "
-        "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3",
-    )
-    voc.add_argument("--corpus", required=True, help="ingested dataset folder")
-    voc.add_argument("--db", required=True, help="DuckDB file to write")
-    voc.add_argument("--min-count", type=int, default=1)
-    voc.add_argument("--max-size", type=int, default=None, help="at most this many entries (specials included)")
-    voc.add_argument("--vocab-file", default=None, help="import an existing bilm-tf vocab.txt instead")
-    voc.add_argument("--memory-limit", default="4GB")
-    voc.set_defaults(func=_cmd_vocab)
-
-    tr = sub.add_parser(
-        "train",
-        help="train or fine-tune the biLM",
-        description="Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and "
-        "exported to OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
-        "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small",
-    )
-    tr.add_argument("--config", help="YAML/JSON file of TrainConfig fields")
-    tr.add_argument("--data", help="folder written by `elmo vocab`")
-    tr.add_argument("--out", help="run folder")
-    tr.add_argument("--preset", choices=["tiny", "small", "medium", "original"])
-    tr.add_argument("--init-from", help="fine-tune from a model directory or runs:/ / models:/ URI")
-    tr.add_argument("--max-steps", type=int)
-    tr.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    tr.add_argument("--no-mlflow", action="store_true", help="do not track in MLflow")
-    tr.set_defaults(func=_cmd_train)
-
-    ppl = sub.add_parser("perplexity", help="full-softmax perplexity of a model on a corpus",
-                         description="Example: elmo perplexity --model data/train/model --corpus data/ingest")
-    ppl.add_argument("--model", required=True, help="model directory with softmax and vocab.txt, or an MLflow URI")
-    ppl.add_argument("--corpus", required=True, help="an ingested dataset folder")
-    ppl.add_argument("--split", choices=["heldout", "train"], default="heldout")
-    ppl.add_argument("--batch-size", type=int, default=64)
-    ppl.add_argument("--max-batches", type=int, default=None)
-    ppl.add_argument("--device", default="cpu")
-    ppl.set_defaults(func=_cmd_perplexity)
-
-    exp = sub.add_parser("export", help="checkpoint -> bilm-tf/AllenNLP model directory",
-                         description="Example: elmo export --run data/train --out my_elmo")
-    exp.add_argument("--run", help="run folder (uses its newest checkpoint)")
-    exp.add_argument("--checkpoint", help="a checkpoint file instead")
-    exp.add_argument("--out", required=True)
-    exp.set_defaults(func=_cmd_export)
-
-    emb = sub.add_parser(
-        "embed",
-        help="corpus -> contextual vectors in Parquet",
-        description="Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per "
-        "token (or per sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
-        "Example: elmo embed --model data/train/model --input data/ingest --out data/embed",
-    )
-    emb.add_argument("--model", required=True, help="model directory, or runs:/RUN/model, or models:/NAME/VERSION")
-    emb.add_argument("--input", required=True, help="ingested dataset folder, or text file(s)/glob")
-    emb.add_argument("--out", required=True)
-    emb.add_argument("--layers", choices=["all", "mix"], default="mix", help="mix (default): one 'elmo' column; all: layer_0..layer_L")
-    emb.add_argument("--mix-weights", type=float, nargs="+", help="scalar-mix weights (before softmax); default: plain average")
-    emb.add_argument("--gamma", type=float, default=1.0)
-    emb.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    emb.add_argument("--pool", choices=["none", "mean"], default="none")
-    emb.add_argument("--split", choices=["all", "train", "heldout"], default="all")
-    emb.add_argument("--tokenizer", choices=["whitespace", "unicode", "chinese"], default="whitespace", help="for text input")
-    emb.add_argument("--max-batch-tokens", type=int, default=8192)
-    emb.add_argument("--stateful", action="store_true", help="carry state across batches (bilm-tf parity)")
-    emb.add_argument("--device", default="auto")
-    emb.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA")
-    emb.set_defaults(func=_cmd_embed)
-
-    qry = sub.add_parser(
-        "query",
-        help="nearest tokens-in-context / similar sentences with DuckDB",
-        description="Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'",
-    )
-    qry.add_argument("embeddings", help="an `elmo embed` output folder")
-    qry.add_argument("--token")
-    qry.add_argument("--sentence", help="the sentence text the token is in")
-    qry.add_argument("--sentence-id")
-    qry.add_argument("--similar-to", help="sentence_id: similar sentences (tables made with --pool mean)")
-    qry.add_argument("--like", help="only neighbours whose lower-cased token matches this SQL LIKE pattern")
-    qry.add_argument("--layer", help="elmo or layer_N (default: elmo, else the top layer)")
-    qry.add_argument("-k", type=int, default=10)
-    qry.set_defaults(func=_cmd_query)
-
-    info = sub.add_parser("info", help="describe a model directory", description="Example: elmo info data/models/my_elmo")
-    info.add_argument("model", help="model directory (options.json + weights.hdf5 [+ vocab.txt])")
-    info.set_defaults(func=_cmd_info)
+    for name, (model, _, positional, help_text, description) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=description)
+        command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
+        add_fields(command, model, positional)
     return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(show_path=False, rich_tracebacks=False)])
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for noisy in ("alembic", "urllib3", "git", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _configure_logging(args.verbose)
+    name = args.command
     try:
-        args.func(args)
+        model, handler, _, _, _ = COMMANDS[args.command]
+        handler(parse_config(model, args))
     except ElmoError as exc:
-        print(f"elmo {args.command}: error: {exc}", file=sys.stderr)
+        print(f"elmo {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file the user named: missing, unreadable, a folder where a file was expected
+        print(f"elmo {name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"elmo {args.command}: interrupted", file=sys.stderr)
+        print(f"elmo {name}: interrupted (a rerun continues where it stopped)", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if type(exc).__module__.startswith("mlflow"):  # the store or a model URI: a setup problem, not a bug
+            print(f"elmo {name}: error: MLflow: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        raise
     return 0
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from elmo_core.chars import MAX_CHARS, N_CHARS
 from elmo_core.errors import ConfigError
+from elmo_core.fileio import write_text_atomic
 
 # The char-CNN of every published ELMo (2048 filters in total).
 PUBLISHED_FILTERS: list[list[int]] = [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]
@@ -125,7 +126,7 @@ def read_options(path: str | Path) -> ModelConfig:
 
 
 def write_options(config: ModelConfig, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(config.to_options(), indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(config.to_options(), indent=2) + "\n")
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -146,6 +147,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 # ----- presets: the published sizes (allennlp.org names them {L}x{H}_{P}_{F}cnn_{k}xhighway) ---------
 
+PresetName = Literal["tiny", "mini", "small", "medium", "original"]
+
 
 def tiny() -> ModelConfig:
     """The fixture architecture (124 filters, 2x64_16): seconds on CPU, for tests."""
@@ -156,6 +159,14 @@ def tiny() -> ModelConfig:
             n_highway=2,
         ),
         lstm=LstmConfig(dim=64, projection_dim=16, n_layers=2),
+    )
+
+
+def mini() -> ModelConfig:
+    """2x256_64_240cnn_1xhighway: the main job's CPU-sized model (learns the default corpus in minutes on 2 cores)."""
+    return ModelConfig(
+        char_cnn=CharCNNConfig(embedding=CharEmbeddingConfig(dim=8), filters=[[1, 16], [2, 32], [3, 64], [4, 128]], n_highway=1),
+        lstm=LstmConfig(dim=256, projection_dim=64, n_layers=2),
     )
 
 
@@ -183,10 +194,10 @@ def original() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "small": small, "medium": medium, "original": original}
+PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny, "mini": mini, "small": small, "medium": medium, "original": original}
 
 
-def preset(name: str) -> ModelConfig:
+def preset(name: PresetName) -> ModelConfig:
     try:
         return PRESETS[name]()
     except KeyError:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from elmo_core.fileio import write_text_atomic
+
 _RULE = re.compile(r"^[\s*=\-~^#]+$")  # reST heading underlines
 
 
@@ -34,7 +36,5 @@ def write_default_corpus(path: str | Path) -> tuple[Path, int]:
     text = "\n\n".join(paragraphs) + "\n"
     if path.exists() and path.read_text(encoding="utf-8") == text:
         return path, len(paragraphs)  # unchanged: keep the file (and its mtime) so reruns see the same input
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, text)
     return path, len(paragraphs)

@@ -1,14 +1,18 @@
-"""Embed: an ingested corpus (or a text file) ─► contextual vectors in Parquet, one row per token (or sentence).
+"""Embed: an ingested corpus (or text files) ─► contextual vectors in Parquet, one row per token (or sentence).
 
-Output folder:
+The output folder holds one job's table (one model, one set of options, one input) and reads as a plain Parquet
+dataset in pyarrow, pandas, Spark and DuckDB (``read_parquet('OUT/*.parquet')``, ``'OUT/**/*.parquet'`` too):
 
-    OUT/job.json                      what was embedded with what (model id, options); a rerun must match it
-    OUT/part-<shard>-<group>.parquet  one file per input row group (the unit of work), written atomically
-    OUT/manifest.json                 units, rows and seconds, written when every unit is done
+    OUT/part-<shard>-<group>-<row>.parquet   one file per unit of work (about ``unit_tokens`` tokens)
+    OUT/_job.json        what is embedded with what: model id, input (shards, rows), options, the units
+    OUT/_manifest.json   rows, tokens and seconds per unit; written when every unit is done
 
-A unit's file appears only when complete (temp file, then rename), so after a crash a rerun redoes just the
-missing units: exactly one row per input token, no duplicates, no gaps; a rerun with nothing missing does
-nothing. Units are independent, which is how a Prefect flow maps them over workers (Dask included).
+Working files live beside OUT, never inside it, in ``.<OUT's name>.elmo/``: the tokenized copy of text input
+(Parquet that is not part of the table), a model downloaded from MLflow, and, under ``--overwrite``, the next
+table until it is complete. A unit's file appears only when complete (hidden temp file, then rename), so after a
+crash a rerun redoes just the missing units: exactly one row per input token. A run whose model, options or
+input differ from the folder's job is refused before anything is written; ``--overwrite`` builds the new table
+in the work folder and swaps it in at the end, so old and new parts are never read together.
 
 Rows (token mode): ``doc_id, sentence_id, token_index, token, text`` then either ``layer_0 … layer_L`` or ``elmo``
 (a scalar mix), each FLOAT[2P] (float32, or float16), then ``model_id``. ``pool="mean"`` gives one row per
@@ -20,60 +24,53 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from elmo_core.errors import ConfigError
-from elmo_core.ingest import IngestConfig, ingest, shard_paths
+from elmo_core.errors import InputError, OutputError
+from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.inference import StateCarry, TokenCache, length_batches
+from elmo_core.ingest import ingest, manifest_path, shard_paths, find_inputs
 from elmo_core.model import BiLM
-from elmo_core.tracking import resolve_model_dir
+from elmo_core.options import EmbedConfig, IngestConfig
+from elmo_core.precision import autocast, resolve_precision
+from elmo_core.progress import track
+from elmo_core.tracking import is_model_uri, resolve_model_dir
+from elmo_core.weights import OPTIONS_NAME, resolve_model_files
+
+__all__ = ["EmbedConfig", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]
 
 log = logging.getLogger(__name__)
 
-JOB_FILE, MANIFEST_FILE = "job.json", "manifest.json"
+JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
+LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
+# options that do not change the table (where it runs, how it is batched, how a conflict is resolved)
+NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16"}
 
 
-class EmbedConfig(BaseModel):
-    """Options of ``elmo embed``; the Prefect flow takes the same object."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="model directory (options.json + weights.hdf5) or runs:/ / models:/ URI")
-    input: str = Field(description="an ingested dataset folder, or text files (one sentence per line)")
-    out: str = Field(description="output dataset folder")
-    layers: Literal["all", "mix"] = Field("mix", description="all: layer_0 … layer_L columns; mix: one elmo column")
-    mix_weights: list[float] | None = Field(None, description="scalar-mix weights before softmax; default: plain average")
-    gamma: float = Field(1.0, description="scalar-mix scale")
-    dtype: Literal["float32", "float16"] = "float32"
-    pool: Literal["none", "mean"] = Field("none", description="mean: one row per sentence")
-    split: Literal["all", "train", "heldout"] = "all"
-    tokenizer: Literal["whitespace", "unicode", "chinese"] = Field("whitespace", description="for text input, as ingest")
-    max_batch_tokens: int = Field(8192, gt=0, description="tokens per forward pass (sentences bucketed by length)")
-    stateful: bool = Field(False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)")
-    device: str = "auto"
-    bf16: bool = Field(False, description="bf16 autocast on CUDA")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Unit:
-    """One input row group: the unit of work and of output."""
+    """Rows [start, stop) of one row group of one input shard: the unit of work, of output and of resume."""
 
     shard: str
     row_group: int
+    start: int
+    stop: int
+    tokens: int
 
     @property
     def name(self) -> str:
-        return f"part-{Path(self.shard).stem.removeprefix('part-')}-{self.row_group:05d}.parquet"
+        return f"part-{Path(self.shard).stem.removeprefix('part-')}-{self.row_group:05d}-{self.start:07d}.parquet"
 
 
 @dataclass
@@ -85,11 +82,30 @@ class UnitResult:
     skipped: bool = False
 
 
+@dataclass
+class Job:
+    """A prepared embedding job: the model, the units, and where they are written (OUT, or the next table)."""
+
+    config: EmbedConfig
+    model_dir: Path
+    units: list[Unit]
+    target: Path
+    out: Path
+    work: Path
+
+    @property
+    def replaces(self) -> bool:
+        return self.target != self.out
+
+
+def work_dir(out: Path) -> Path:
+    """The job's working folder, beside OUT: ``.<name>.elmo``."""
+    return out.parent / f".{out.name}.elmo"
+
+
 def model_id(model_dir: Path) -> str:
     """A short content hash of options.json + weights.hdf5: which model made a vector."""
-    from elmo_core.weights import resolve_model_files
-
-    options, weights, _ = resolve_model_files(model_dir, None, None)
+    options, weights, _ = resolve_model_files(model_dir)
     digest = hashlib.sha256()
     for path in (options, weights):
         with open(path, "rb") as f:
@@ -98,38 +114,162 @@ def model_id(model_dir: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def prepare(config: EmbedConfig) -> tuple[Path, list[Unit], Path]:
-    """Resolve the model, ingest text input if needed, write/check job.json; returns (model dir, units, corpus)."""
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model_dir(config.model, out / "_model" if ":/" in config.model else None)
-    if not (model_dir / "options.json").exists():
-        raise ConfigError(f"{model_dir}: no options.json; --model takes a model directory or an MLflow model URI")
+# ----- the input -------------------------------------------------------------------------------------------
+
+
+def _no_shards_reason(dataset: Path) -> str:
+    """Why an ingested dataset has no shards, from its manifest."""
+    con = duckdb.connect(str(manifest_path(dataset)), read_only=True)
+    try:
+        rows = con.execute("SELECT path, status, error, sentences FROM files ORDER BY path").fetchall()
+    finally:
+        con.close()
+    failed = [(p, e) for p, status, e, _ in rows if status == "failed"]
+    if failed:
+        first = failed[0][1] or "failed"
+        return f"every input was rejected ({len(failed)} files; first: {first})" if len(failed) == len(rows) else \
+            f"its inputs gave no sentences ({len(failed)} rejected; first: {first})"
+    return "its inputs held no sentences" if rows else "no input was ingested into it"
+
+
+def _text_input(config: EmbedConfig, work: Path) -> Path:
+    """Text files tokenized as ingest does (every line kept, no heldout split) into the work folder; reused while
+    the files are unchanged."""
+    inputs = find_inputs([config.input])
+    corpus = work / "input"
+    sources = json.dumps([[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs] + [config.tokenizer])
+    marker = corpus / "_sources.json"
+    if corpus.exists() and not (marker.exists() and marker.read_text() == sources):
+        shutil.rmtree(corpus)
+    if not marker.exists():
+        summary = ingest(IngestConfig(sources=[str(p) for p in inputs], out=str(corpus), tokenizer=config.tokenizer,
+                                      dedup=False, heldout_fraction=0.0))
+        if summary.errors:
+            more = f" (and {len(summary.errors) - 1} more)" if len(summary.errors) > 1 else ""
+            raise InputError(f"{summary.errors[0]}{more}; fix or remove the file and run again")
+        for warning in summary.warnings:
+            log.warning("%s", warning)
+        write_text_atomic(marker, sources)
+    if not shard_paths(corpus):
+        raise InputError(f"{config.input}: no sentences to embed (every line is empty)")
+    return corpus
+
+
+def resolve_input(config: EmbedConfig, work: Path) -> tuple[Path, list[Path]]:
+    """(dataset folder, its shards): an ingested dataset as it is, or text input tokenized into the work folder."""
     source = Path(config.input)
     if source.is_dir() and shard_paths(source):
-        corpus = source
-    else:  # text files: tokenized as ingest does, every line kept (no dedup), into OUT/_input
-        corpus = out / "_input"
-        summary = ingest(IngestConfig(sources=[config.input], out=str(corpus), tokenizer=config.tokenizer, dedup=False, heldout_fraction=0.0))
-        if summary.errors and not shard_paths(corpus):
-            raise ConfigError("; ".join(summary.errors))
-    shards = shard_paths(corpus)
-    if not shards:
-        raise ConfigError(f"{config.input}: nothing to embed (no part-*.parquet shards and no text)")
-    job = {"model_id": model_id(model_dir), "model": config.model, "corpus": str(corpus.resolve()),
-           "options": config.model_dump(mode="json", exclude={"model", "input", "out", "device", "max_batch_tokens"})}
-    job_path = out / JOB_FILE
-    if job_path.exists():
-        previous = json.loads(job_path.read_text())
-        if {k: previous.get(k) for k in ("model_id", "options")} != {k: job[k] for k in ("model_id", "options")}:
-            raise ConfigError(f"{out} holds embeddings of another job (model {previous.get('model_id')}, options "
-                              f"{previous.get('options')}); use a new --out folder")
+        return source, shard_paths(source)
+    if source.is_dir() and (manifest_path(source)).exists():
+        raise InputError(f"{source}: an ingested dataset with no shards: {_no_shards_reason(source)}; fix its inputs and "
+                         "rerun `elmo ingest`")
+    corpus = _text_input(config, work)
+    return corpus, shard_paths(corpus)
+
+
+def plan_units(shards: list[Path], unit_tokens: int, split: str = "all") -> list[Unit]:
+    """Cut every row group into units of at most ``unit_tokens`` tokens (a longer sentence is a unit alone),
+    whatever the row-group size the input was written with. Rows of another split count no tokens."""
+    units: list[Unit] = []
+    for shard in shards:
+        pf = pq.ParquetFile(shard)
+        for group in range(pf.num_row_groups):
+            table = pf.read_row_group(group, columns=["n_tokens", "split"])
+            tokens = table.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+            if split != "all":
+                tokens = np.where(pc.equal(table.column("split"), split).to_numpy(zero_copy_only=False), tokens, 0)
+            start, taken = 0, 0
+            for row, n in enumerate(tokens.tolist()):
+                if row > start and taken + n > unit_tokens:
+                    units.append(Unit(str(shard), group, start, row, taken))
+                    start, taken = row, 0
+                taken += n
+            if len(tokens) > start:
+                units.append(Unit(str(shard), group, start, len(tokens), taken))
+    return [u for u in units if u.tokens] if split != "all" else units
+
+
+# ----- the output folder -----------------------------------------------------------------------------------
+
+
+def _read_job(folder: Path) -> dict[str, Any] | None:
+    path = folder / JOB_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _describe_input(value: dict[str, Any] | None) -> str:
+    if not value:
+        return "?"
+    return f"{value['path']} ({len(value['shards'])} shards, {sum(rows for _, rows in value['shards']):,} rows)"
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
+    parts = []
+    if old.get("model_id") != new["model_id"]:
+        parts.append(f"model {old.get('model_id')} → {new['model_id']}")
+    if old.get("input") != new["input"]:
+        parts.append(f"input {_describe_input(old.get('input'))} → {_describe_input(new['input'])}")
+    options = old.get("options") or {}
+    changed = [f"{k} {options.get(k)!r} → {v!r}" for k, v in new["options"].items() if options.get(k) != v]
+    if changed:
+        parts.append("options " + ", ".join(changed))
+    return "; ".join(parts)
+
+
+def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
+    """The folder this job writes its units to: OUT itself, or (``overwrite``) the next table in the work folder."""
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    current = _read_job(out)
+    if entries:
+        if current is None and not any((out / name).exists() for name in LEGACY_FILES):
+            strangers = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+            raise OutputError(f"{out}: holds files that `elmo embed` did not write ({strangers}); use a new or empty --out folder")
+        differs = _differences(current, job) if current is not None else "written by an earlier version of elmo embed"
+        if not differs:
+            return out  # the same job: resume it (or find it done)
+        if not overwrite:
+            raise OutputError(f"{out} holds embeddings of another job ({differs}); use a new --out folder, "
+                              "or --overwrite to replace its table")
+        target = work / "next"
+        if _read_job(target) != job:  # unless an interrupted replacement by this very job: resume that
+            shutil.rmtree(target, ignore_errors=True)
     else:
-        tmp = job_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(job, indent=2) + "\n")
-        os.replace(tmp, job_path)
-    units = [Unit(str(s), g) for s in shards for g in range(pq.ParquetFile(s).num_row_groups)]
-    return model_dir, units, corpus
+        target = out
+    target.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(target / JOB_FILE, json.dumps(job, indent=2) + "\n")
+    return target
+
+
+def prepare(config: EmbedConfig) -> Job:
+    """Check the output folder, resolve the model (MLflow URIs too) and the input, plan the units, claim the folder.
+
+    Everything is checked before OUT is created or touched; a failed start leaves nothing behind.
+    """
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: is a file; --out takes a folder (new, empty, or one this job wrote)")
+    work = work_dir(out)
+    made_work = not work.exists()
+    try:
+        model_dir = resolve_model_dir(config.model, work / "model" if is_model_uri(config.model) else None)
+        if not (model_dir / OPTIONS_NAME).exists():
+            raise InputError(f"{model_dir}: no {OPTIONS_NAME}; --model takes a model directory or an MLflow model URI")
+        corpus, shards = resolve_input(config, work)
+        units = plan_units(shards, config.unit_tokens, config.split)
+        if not units:
+            raise InputError(f"{config.input}: no {config.split} sentences to embed")
+        identity = {"model_id": model_id(model_dir), "model": config.model,
+                    "input": {"path": str(corpus.resolve()), "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards]},
+                    "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
+                    "units": [u.name for u in units]}
+        target = _claim(out, work, identity, config.overwrite)
+    except BaseException:
+        if made_work:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    if work.is_dir() and not any(work.iterdir()):
+        work.rmdir()
+    return Job(config, model_dir, units, target, out, work)
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -143,114 +283,100 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
     return pa.schema([*head, *[(n, vector) for n in names], ("model_id", pa.string())])
 
 
+# ----- the work ------------------------------------------------------------------------------------------
+
+
 class Embedder:
     """Holds the loaded biLM and writes units. Create one per worker process."""
 
     def __init__(self, config: EmbedConfig, model_dir: Path) -> None:
         self.config = config
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
         self.bilm = BiLM.from_pretrained(str(model_dir), device=device)
+        self.precision = resolve_precision(config.precision, self.bilm.device)
         self.model_id = model_id(model_dir)
         n = self.bilm.num_layers
+        if config.mix_weights is not None and len(config.mix_weights) != n:
+            raise InputError(f"--mix-weights has {len(config.mix_weights)} values; {model_dir} has {n} layers")
         weights = torch.tensor(config.mix_weights if config.mix_weights is not None else [0.0] * n, dtype=torch.float32)
-        if len(weights) != n:
-            raise ConfigError(f"--mix-weights has {len(weights)} values; this model has {n} layers")
         self.mix = (config.gamma * torch.softmax(weights, 0)).to(self.bilm.device)
         self.schema = output_schema(n, self.bilm.output_dim, config)
+        self.names = [f"layer_{i}" for i in range(n)] if config.layers == "all" else ["elmo"]
 
     def embed_unit(self, unit: Unit, out: Path) -> UnitResult:
         target = out / unit.name
         if target.exists():
             return UnitResult(unit.name, pq.ParquetFile(target).metadata.num_rows, 0, 0.0, skipped=True)
         started = time.perf_counter()
-        columns = ["doc_id", "sentence_id", "tokens", "text", "split"]
-        group = pq.ParquetFile(unit.shard).read_row_group(unit.row_group, columns=columns)
+        group = pq.ParquetFile(unit.shard).read_row_group(unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"])
+        group = group.slice(unit.start, unit.stop - unit.start)
         if self.config.split != "all":
             group = group.filter(pc.equal(group.column("split"), self.config.split))
         sentences = group.column("tokens").to_pylist()
-        tokens = sum(len(s) for s in sentences)
-        tmp = target.with_name(target.name + ".tmp")
         rows = 0
-        with pq.ParquetWriter(tmp, self.schema, compression="zstd", compression_level=1, use_dictionary=["doc_id", "text", "model_id", "token"]) as writer:
-            for table in self._tables(group, sentences):
-                writer.write_table(table)
-                rows += table.num_rows
-        os.replace(tmp, target)
-        return UnitResult(unit.name, rows, tokens, time.perf_counter() - started)
+        with atomic_path(target) as tmp:
+            with pq.ParquetWriter(tmp, self.schema, compression="zstd", compression_level=1,
+                                  use_dictionary=["doc_id", "text", "model_id", "token"]) as writer:
+                for table in self._tables(group, sentences):
+                    writer.write_table(table)
+                    rows += table.num_rows
+        return UnitResult(unit.name, rows, sum(len(s) for s in sentences), time.perf_counter() - started)
+
+    def _batches(self, sentences: list[list[str]]) -> list[list[int]]:
+        lengths = [len(s) for s in sentences]
+        if not self.config.stateful:
+            return length_batches(lengths, self.config.max_batch_tokens)
+        batches: list[list[int]] = [[]]  # stateful: the given order, consecutive rows
+        longest = 0
+        for i, n in enumerate(lengths):
+            longest_if = max(longest, n, 1)
+            if batches[-1] and longest_if * (len(batches[-1]) + 1) > self.config.max_batch_tokens:
+                batches.append([])
+                longest_if = max(n, 1)
+            batches[-1].append(i)
+            longest = longest_if
+        return [b for b in batches if b]
 
     @torch.no_grad()
     def _tables(self, group: pa.Table, sentences: list[list[str]]) -> Iterator[pa.Table]:
-        """Bucket by length, run the biLM with every distinct word encoded once, and yield output tables."""
-        bilm, config = self.bilm, self.config
-        vocab = sorted({t for s in sentences for t in s})
-        bilm.cache_token_embeddings(vocab)  # the char CNN once per distinct word of the unit
-        order = list(range(len(sentences))) if config.stateful else sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
-        doc_ids, sentence_ids, texts = (group.column(c).to_pylist() for c in ("doc_id", "sentence_id", "text"))
-        use_bf16 = config.bf16 and bilm.device.type == "cuda"
-        start = 0
-        while start < len(order):
-            batch = _take_batch(order, sentences, start, config.max_batch_tokens)
-            start += len(batch)
-            ids = bilm.batch_to_token_ids([sentences[i] for i in batch])
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-                out = bilm(ids.to(bilm.device), stateful=config.stateful)
-            layers = torch.stack([layer.float() for layer in out["activations"]])  # (L+1, B, T, 2P)
-            vectors = layers if config.layers == "all" else (self.mix[:, None, None, None] * layers).sum(0, keepdim=True)
-            mask = out["mask"]
-            yield self._table(batch, sentences, doc_ids, sentence_ids, texts, vectors, mask)
+        """Every distinct word of the unit through the char CNN once, then length-sorted batches of token rows."""
+        bilm = self.bilm
+        cache = TokenCache.of_sentences(bilm, sentences)
+        table = cache.table.to(bilm.device)
+        carry = StateCarry() if self.config.stateful else None
+        for batch in self._batches(sentences):
+            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device)
+            with autocast(bilm.device, self.precision):
+                layers, counts, state = bilm.token_rows(ids, state=carry.take(len(batch)) if carry else None, token_table=table)
+            if carry is not None:
+                carry.keep(state)
+            stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P)
+            vectors = stacked if self.config.layers == "all" else (self.mix[:, None, None] * stacked).sum(0, keepdim=True)
+            yield self._table(group, np.asarray(batch), counts.cpu().numpy(), vectors)
 
-    def _table(self, batch: list[int], sentences: list[list[str]], doc_ids: list[str], sentence_ids: list[str],
-               texts: list[str | None], vectors: torch.Tensor, mask: torch.Tensor) -> pa.Table:
+    def _table(self, group: pa.Table, batch: np.ndarray, counts: np.ndarray, vectors: torch.Tensor) -> pa.Table:
         dtype = np.float16 if self.config.dtype == "float16" else np.float32
         width = vectors.shape[-1]
-        names = [f"layer_{i}" for i in range(vectors.shape[0])] if self.config.layers == "all" else ["elmo"]
+        picked = pa.array(batch)
         if self.config.pool == "mean":
-            counts = mask.sum(1, keepdim=True).clamp(min=1).to(vectors.dtype)
-            pooled = (vectors * mask[None, :, :, None]).sum(2) / counts[None]  # (K, B, 2P)
-            data = {"doc_id": [doc_ids[i] for i in batch], "sentence_id": [sentence_ids[i] for i in batch],
-                    "n_tokens": [len(sentences[i]) for i in batch], "text": [texts[i] for i in batch]}
-            for name, values in zip(names, pooled.cpu().numpy().astype(dtype)):
-                data[name] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width)
-            data["model_id"] = [self.model_id] * len(batch)
-            return pa.table(data, schema=self.schema)
-        flat_mask = mask.reshape(-1).cpu()
-        picked = vectors.reshape(vectors.shape[0], -1, width)[:, flat_mask.to(vectors.device)].cpu().numpy().astype(dtype)
-        rows = [(i, t) for i in batch for t in range(len(sentences[i]))]
-        data = {
-            "doc_id": [doc_ids[i] for i, _ in rows],
-            "sentence_id": [sentence_ids[i] for i, _ in rows],
-            "token_index": [t for _, t in rows],
-            "token": [sentences[i][t] for i, t in rows],
-            "text": [texts[i] for i, _ in rows],
-        }
-        for name, values in zip(names, picked):
-            data[name] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), width)
-        data["model_id"] = [self.model_id] * len(rows)
+            sentence = torch.repeat_interleave(torch.arange(len(batch), device=vectors.device), torch.from_numpy(counts).to(vectors.device))
+            sums = vectors.new_zeros(vectors.shape[0], len(batch), width).index_add_(1, sentence, vectors)
+            values = (sums / torch.from_numpy(np.maximum(counts, 1)).to(sums)[None, :, None]).cpu().numpy().astype(dtype)
+            data: dict[str, Any] = {"doc_id": group.column("doc_id").take(picked), "sentence_id": group.column("sentence_id").take(picked),
+                                    "n_tokens": pa.array(counts.astype(np.int32)), "text": group.column("text").take(picked)}
+            n_rows = len(batch)
+        else:
+            rows = pa.array(np.repeat(batch, counts))
+            token_index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            data = {"doc_id": group.column("doc_id").take(rows), "sentence_id": group.column("sentence_id").take(rows),
+                    "token_index": pa.array(token_index.astype(np.int32)),
+                    "token": pc.list_flatten(group.column("tokens").take(picked)), "text": group.column("text").take(rows)}
+            values = vectors.cpu().numpy().astype(dtype)
+            n_rows = int(counts.sum())
+        for name, layer in zip(self.names, values):
+            data[name] = pa.FixedSizeListArray.from_arrays(pa.array(layer.reshape(-1)), width)
+        data["model_id"] = pa.repeat(pa.scalar(self.model_id, pa.string()), n_rows)
         return pa.table(data, schema=self.schema)
-
-
-def _take_batch(order: list[int], sentences: list[list[str]], start: int, max_tokens: int) -> list[int]:
-    """The next sentences (in ``order``) whose padded size stays within ``max_tokens`` (at least one)."""
-    batch: list[int] = []
-    longest = 0
-    for i in order[start:]:
-        longest_if = max(longest, len(sentences[i]), 1)
-        if batch and longest_if * (len(batch) + 1) > max_tokens:
-            break
-        batch.append(i)
-        longest = longest_if
-    return batch
-
-
-def write_manifest(out: Path, results: list[UnitResult]) -> dict:
-    manifest = {"units": [asdict(r) for r in results], "rows": sum(r.rows for r in results),
-                "files": len(results), "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tmp = out / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST_FILE)
-    return manifest
 
 
 @dataclass
@@ -261,24 +387,41 @@ class EmbedSummary:
     tokens: int
     seconds: float
     out: Path
+    unit_seconds: list[float]
 
     def line(self) -> str:
+        per_unit = (f"; {np.mean(self.unit_seconds):.1f} s per unit (slowest {max(self.unit_seconds):.1f} s)"
+                    if self.unit_seconds else "")
         return (f"embed: {self.units} units ({self.units_done_before} already done), {self.rows:,} rows, "
-                f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s) -> {self.out}")
+                f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s"
+                f"{per_unit}) -> {self.out}")
+
+
+def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
+    """Write the manifest; under ``--overwrite`` swap the new table in for the old one (then delete the old)."""
+    manifest = {"units": [asdict(r) for r in results], "rows": sum(r.rows for r in results), "files": len(results),
+                "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_text_atomic(job.target / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+    if job.replaces:
+        old = job.work / f"replaced-{time.strftime('%Y%m%d%H%M%S')}"
+        job.out.rename(old)
+        job.target.rename(job.out)
+        shutil.rmtree(old)
+        log.info("replaced the table in %s", job.out)
+    done = [r for r in results if not r.skipped]
+    return EmbedSummary(len(results), len(results) - len(done), manifest["rows"], sum(r.tokens for r in done), seconds,
+                        job.out, [r.seconds for r in done])
 
 
 def embed(config: EmbedConfig) -> EmbedSummary:
-    """Embed every unit not yet written, in this process (the Prefect flow maps units instead)."""
+    """Embed every unit not yet written, in this process (the Prefect flow maps units over workers instead)."""
     started = time.perf_counter()
-    model_dir, units, _ = prepare(config)
-    out = Path(config.out)
-    embedder = Embedder(config, model_dir)
+    job = prepare(config)
+    embedder = Embedder(config, job.model_dir)
     results = []
-    for n, unit in enumerate(units, 1):
-        result = embedder.embed_unit(unit, out)
-        results.append(result)
-        if not result.skipped:
-            log.info("[%d/%d] %s: %d rows, %.0f tokens/s", n, len(units), unit.name, result.rows, result.tokens / max(result.seconds, 1e-9))
-    write_manifest(out, results)
-    return EmbedSummary(len(units), sum(r.skipped for r in results), sum(r.rows for r in results),
-                        sum(r.tokens for r in results), time.perf_counter() - started, out)
+    with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
+        for unit in job.units:
+            result = embedder.embed_unit(unit, job.target)
+            results.append(result)
+            progress.advance(unit.tokens, f"{len(results)}/{len(job.units)} units")
+    return finish(job, results, time.perf_counter() - started)

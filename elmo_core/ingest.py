@@ -1,15 +1,18 @@
 """Ingest: corpus files (text, .gz/.bz2, JSONL, Parquet) ─► a tokenized, deduplicated Parquet dataset.
 
-Output directory layout:
+Output directory layout (a plain Parquet dataset: readers skip the ``_`` and ``.`` names):
 
     OUT/part-<key>.parquet   one shard per input file (zstd, streaming-sized row groups), columns SHARD_SCHEMA
-    OUT/manifest.duckdb      table ``files`` (one row per input file: size, mtime, sha256, counts, status) and
-                             table ``seen`` (64-bit hashes of every kept sentence, for deduplication)
+    OUT/_manifest.duckdb     table ``files`` (one row per input file: size, mtime, sha256, counts, status),
+                             table ``seen`` (64-bit hashes of every kept sentence, for deduplication) and
+                             table ``options`` (the tokenizer and split settings every shard shares)
 
-``<key>`` is the first 16 hex digits of the file's sha256, so ids and shard names follow the content.
-A file is tokenized and deduplicated (against itself, and against DuckDB's ``seen`` table) into
-``part-<key>.parquet.tmp``, renamed, and only then committed to the manifest: a crash or ``kill -9`` leaves no partial shard, and the next run
-redoes just the file that was in flight. Files already in the manifest are skipped.
+``<key>`` is the first 16 hex digits of the sha256 of the file's text (decompressed), so ids, shard names and
+the heldout split follow the content, not the container. A file is tokenized and deduplicated (against
+itself, and against DuckDB's ``seen`` table) into a hidden ``.part-<key>.parquet.tmp``, renamed, and only then
+committed to the manifest: a crash or ``kill -9`` leaves no partial shard, and the next run redoes just the file
+that was in flight. Files already in the manifest are skipped; a run with other tokenizer or split options is
+refused, so a dataset never mixes two ways of reading text.
 """
 
 from __future__ import annotations
@@ -26,16 +29,18 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
 
-from elmo_core.errors import ElmoError
+from elmo_core.errors import ElmoError, InputError, OutputError
+from elmo_core.fileio import file_sha256, publish, temp_path
+from elmo_core.options import DATASET_OPTIONS, IngestConfig
+from elmo_core.progress import Progress, track
 from elmo_core.tokenize import TokenizerName, get_tokenizer, split_sentences, split_whitespace
 
 log = logging.getLogger(__name__)
@@ -66,7 +71,12 @@ CREATE TABLE IF NOT EXISTS files (
     empty_lines BIGINT, split_long BIGINT, status VARCHAR, error VARCHAR, shard VARCHAR, ingested_at TIMESTAMP
 );
 CREATE TABLE IF NOT EXISTS seen (hash BIGINT);
+CREATE TABLE IF NOT EXISTS options (settings VARCHAR);
 """
+GET_OPTIONS = "SELECT settings FROM options"
+SET_OPTIONS = "INSERT INTO options VALUES (?)"
+MANIFEST_NAME = "_manifest.duckdb"
+
 FIND_DONE_BY_STAT = "SELECT sha256 FROM files WHERE path = ? AND size = ? AND mtime = ? AND status = 'done'"
 FIND_BY_SHA = "SELECT status FROM files WHERE sha256 = ?"
 HASH_SENTENCES = "SELECT md5(s) AS h FROM normalized_sentences"
@@ -76,24 +86,6 @@ UPSERT_FILE = """
 INSERT OR REPLACE INTO files VALUES ($sha256, $path, $size, $mtime, $format, $records, $sentences, $duplicates,
     $rejected_lines, $invalid_utf8_lines, $empty_lines, $split_long, $status, $error, $shard, now())
 """
-
-
-class IngestConfig(BaseModel):
-    """Options of ``elmo ingest``; the Prefect flow takes the same object."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sources: list[str] = Field(description="files, folders (recursive) or glob patterns")
-    out: str = Field(description="output dataset folder")
-    tokenizer: TokenizerName = "whitespace"
-    split_sentences: bool = Field(False, description="inputs hold paragraphs (blank-line separated); split them")
-    text_field: str = Field("text", description="JSONL: the field holding the text")
-    text_column: str = Field("text", description="Parquet: the column holding the text")
-    heldout_fraction: float = Field(0.01, ge=0.0, le=1.0, description="share of sentences for the heldout split")
-    max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
-    dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
-    memory_limit: str = Field("2GB", description="DuckDB memory limit")
-    row_group_size: int = Field(50_000, gt=0, description="rows per Parquet row group (the streaming unit)")
 
 
 @dataclass
@@ -108,6 +100,7 @@ class FileStats:
     empty_lines: int = 0
     split_long: int = 0
     examples: list[str] = field(default_factory=list)
+    progress: Callable[[int], None] | None = None  # hears the bytes of the file read so far
 
     def example(self, where: str, what: str) -> None:
         if len(self.examples) < MAX_EXAMPLES:
@@ -139,7 +132,7 @@ class IngestSummary:
         )
 
 
-class BinaryFileError(ElmoError):
+class BinaryFileError(InputError):
     """A file that holds NUL bytes is not a text corpus."""
 
 
@@ -158,19 +151,42 @@ def file_format(path: Path) -> str:
     return "text"
 
 
+# Files a corpus folder often holds beside its text, which must not be read as sentences.
+NOT_CORPUS_NAMES = ("readme", "license", "licence", "copying", "notice", "changelog", "authors", "contributing", "makefile")
+NOT_CORPUS_SUFFIXES = (".md", ".rst", ".html", ".htm", ".pdf", ".doc", ".docx", ".py", ".sh", ".yaml", ".yml", ".toml",
+                       ".cfg", ".ini", ".xml", ".png", ".jpg", ".jpeg", ".gif", ".zip", ".tar", ".tgz", ".duckdb", ".pt",
+                       ".hdf5", ".h5", ".pkl", ".npy", ".log")
+
+
+def _looks_like_corpus(path: Path) -> bool:
+    name = path.name.lower()
+    stem = name.split(".")[0]
+    return stem not in NOT_CORPUS_NAMES and not name.endswith(NOT_CORPUS_SUFFIXES)
+
+
 def find_inputs(sources: list[str]) -> list[Path]:
-    """Files named by ``sources`` (files, folders searched recursively, glob patterns), sorted, unique."""
+    """Files named by ``sources`` (files, folders searched recursively, glob patterns), sorted, unique.
+
+    A folder must hold corpus files only: documentation or other files beside the text (a README, a licence,
+    a PDF) are refused by name, so they are never read as sentences; files and globs are taken as given.
+    """
     found: list[Path] = []
     for source in sources:
         path = Path(source)
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            found.extend(p for p in sorted(path.rglob("*")) if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
+            files = [p for p in sorted(path.rglob("*")) if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
+            strangers = [p for p in files if not _looks_like_corpus(p)]
+            if strangers:
+                names = ", ".join(str(p.relative_to(path)) for p in strangers[:5]) + (", …" if len(strangers) > 5 else "")
+                raise InputError(f"{path}: holds files that are not corpus text ({names}); name the corpus files or a glob "
+                                 f"such as '{path}/*.txt', or move those files out")
+            found.extend(files)
         else:
             matches = sorted(Path(m) for m in glob.glob(source, recursive=True) if Path(m).is_file())
             if not matches:
-                raise ElmoError(f"{source}: no such file, folder or matching glob")
+                raise InputError(f"{source}: no such file, folder or matching glob")
             found.extend(matches)
     unique: dict[Path, None] = {}
     for p in found:
@@ -178,26 +194,41 @@ def find_inputs(sources: list[str]) -> list[Path]:
     return list(unique)
 
 
-def _open_binary(path: Path) -> io.BufferedIOBase:
+def _open_binary(path: Path) -> tuple[io.BufferedIOBase, io.BufferedReader]:
+    """(the decompressed stream, the file underneath it: its position is how far the read has got on disk)."""
+    raw = open(path, "rb")
     name = path.name.lower()
     if name.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]
     if name.endswith(".bz2"):
-        return bz2.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+        return bz2.BZ2File(raw, "rb"), raw  # type: ignore[return-value]
+    return raw, raw
 
 
-def _line_blocks(path: Path) -> Iterator[tuple[int, memoryview, np.ndarray]]:
+def content_sha256(path: Path) -> str:
+    """SHA-256 of a file's text: of the decompressed bytes for .gz/.bz2, so that the same text compressed twice
+    (different gzip header times, levels) gets the same key, shard name, sentence ids and split."""
+    if not path.name.lower().endswith(COMPRESSED):
+        return file_sha256(path)
+    stream, raw = _open_binary(path)
+    with raw, stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()  # type: ignore[arg-type]
+
+
+def _line_blocks(path: Path, stats: FileStats | None = None) -> Iterator[tuple[int, memoryview, np.ndarray]]:
     """(number of lines before, whole lines, where each line ends) of a file, ``READ_BLOCK_BYTES`` at a time.
 
     NUL bytes reject the file as binary. Line ends are offsets just past each line's newline (or the
-    block's end, for a last line without one).
+    block's end, for a last line without one). ``stats.progress`` hears how far into the file (on disk) the read is.
     """
     line_no = offset = 0
     carry = b""
-    with _open_binary(path) as f:
+    f, raw = _open_binary(path)
+    with raw, f:
         while True:
             block = f.read(READ_BLOCK_BYTES)
+            if stats is not None and stats.progress is not None:
+                stats.progress(raw.tell())
             if not block and not carry:
                 return
             data = carry + block if carry else block
@@ -259,7 +290,7 @@ def _line_array(data: memoryview, ends: np.ndarray, path: Path, first_line: int,
 
 def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) of a text file, decoded to str."""
-    for before, data, _ in _line_blocks(path):
+    for before, data, _ in _line_blocks(path, stats):
         yield from enumerate(_decode_lines(bytes(data), path, before + 1, stats), before + 1)
 
 
@@ -269,9 +300,9 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
         try:
             pf = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise ElmoError(f"{path}: not a readable Parquet file ({exc})") from None
+            raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
         if config.text_column not in pf.schema_arrow.names:
-            raise ElmoError(f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text-column")
+            raise InputError(f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text-column")
         row = 0
         for batch in pf.iter_batches(columns=[config.text_column], batch_size=65_536):
             for value in batch.column(0).to_pylist():
@@ -537,7 +568,7 @@ def _write_shard(path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path
     writer = _ShardWriter(path, key, config, tmp, con, stats)
     try:
         if fmt == "text" and not config.split_sentences:
-            for before, data, ends in _line_blocks(path):
+            for before, data, ends in _line_blocks(path, stats):
                 writer.add_lines(before, _line_array(data, ends, path, before + 1, stats), data.obj)
         else:
             for record, text in _records(path, fmt, config, stats):
@@ -548,21 +579,22 @@ def _write_shard(path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path
     return hashes
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def shard_paths(out: str | Path) -> list[Path]:
-    """The committed-or-complete shards of a dataset (never ``.tmp`` files)."""
+    """The committed-or-complete shards of a dataset (never temporary files)."""
     return sorted(Path(out).glob("part-*.parquet"))
 
 
+def manifest_path(out: str | Path) -> Path:
+    """``OUT/_manifest.duckdb`` (a leading ``_``: dataset readers skip it); datasets of earlier versions are renamed."""
+    out = Path(out)
+    legacy = out / "manifest.duckdb"
+    if legacy.exists() and not (out / MANIFEST_NAME).exists():
+        legacy.rename(out / MANIFEST_NAME)
+    return out / MANIFEST_NAME
+
+
 def open_manifest(out: Path, memory_limit: str = "2GB") -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect(str(out / "manifest.duckdb"))
+    con = duckdb.connect(str(manifest_path(out)))
     con.execute("SET memory_limit = ?", [memory_limit])
     # its queries here are small (hash a block, probe the seen table): a second thread only burns CPU
     # (15% of ingest's CPU time measured on 2 cores) that the Parquet writer thread could use
@@ -572,60 +604,100 @@ def open_manifest(out: Path, memory_limit: str = "2GB") -> duckdb.DuckDBPyConnec
     return con
 
 
+def dataset_options(out: str | Path) -> dict | None:
+    """The tokenizer and split options an ingested dataset was made with (None for a new folder)."""
+    path = Path(out) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        rows = con.execute(GET_OPTIONS).fetchall() if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'options'").fetchone()[0] else []
+    finally:
+        con.close()
+    return json.loads(rows[0][0]) if rows else None
+
+
+def _check_options(con: duckdb.DuckDBPyConnection, out: Path, config: IngestConfig) -> None:
+    """A dataset grows by new files over many runs, all tokenized and split the same way: refuse other options."""
+    wanted = config.model_dump(include=set(DATASET_OPTIONS))
+    row = con.execute(GET_OPTIONS).fetchall()
+    if not row:
+        con.execute(SET_OPTIONS, [json.dumps(wanted, sort_keys=True)])
+        return
+    stored = json.loads(row[0][0])
+    changed = [f"{k}: {stored.get(k)!r} → {v!r}" for k, v in wanted.items() if stored.get(k) != v]
+    if changed:
+        raise OutputError(f"{out}: this dataset was ingested with other options ({'; '.join(changed)}); "
+                          "ingest into a new --out folder, or use the dataset's options")
+
+
 def ingest(config: IngestConfig) -> IngestSummary:
     """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts."""
     started = time.perf_counter()
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("part-*.tmp"):
-        stale.unlink()  # left by an interrupted run
+    if out.is_file():
+        raise OutputError(f"{out}: is a file; --out takes a dataset folder (new, or one `elmo ingest` wrote)")
     get_tokenizer(config.tokenizer)  # fail before any work if the tokenizer is unavailable
     inputs = find_inputs(config.sources)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".part-*.tmp"), *out.glob("part-*.tmp")]:
+        stale.unlink()  # left by an interrupted run
     summary = IngestSummary()
     con = open_manifest(out, config.memory_limit)
+    done_bytes = 0
     try:
-        for n, path in enumerate(inputs, 1):
-            stat = path.stat()
-            if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
-                summary.files_skipped += 1
-                continue
-            sha = _sha256(path)
-            row = con.execute(FIND_BY_SHA, [sha]).fetchall()
-            if row and row[0][0] == "done":
-                summary.files_skipped += 1
-                continue
-            key = sha[:16]
-            fmt = file_format(path)
-            stats = FileStats(str(path), fmt)
-            shard = out / f"part-{key}.parquet"
-            shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
-            log.info("[%d/%d] %s (%s, %.1f MB)", n, len(inputs), path, fmt, stat.st_size / 1e6)
-            tmp = shard.with_name(shard.name + ".tmp")
-            try:
-                hashes = _write_shard(path, key, fmt, config, tmp, con, stats)
-            except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
-                tmp.unlink(missing_ok=True)
-                summary.files_failed += 1
-                summary.errors.append(str(exc))
-                log.error("%s", exc)
-                con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "failed", str(exc), None))
-                continue
-            _commit_file(con, config, tmp, shard, sha, path, stat, stats, hashes)
-            summary.files_ingested += 1
-            summary.bytes_read += stat.st_size
-            summary.sentences += stats.sentences
-            summary.tokens += _token_count(shard) if stats.sentences else 0
-            summary.duplicates += stats.duplicates
-            summary.rejected_lines += stats.rejected_lines
-            summary.invalid_utf8_lines += stats.invalid_utf8_lines
-            for example in stats.examples:
-                summary.warnings.append(example)
-                log.warning("%s", example)
+        _check_options(con, out, config)
+        with track("ingest", sum(p.stat().st_size for p in inputs) / 1e6, "MB") as progress:
+            for n, path in enumerate(inputs, 1):
+                stat = path.stat()
+                _ingest_file(con, config, out, path, stat, f"[{n}/{len(inputs)}]", summary, progress, done_bytes)
+                done_bytes += stat.st_size
+                progress.update(done_bytes / 1e6, f"{summary.files_ingested} files, {summary.sentences:,} sentences")
     finally:
         con.close()
     summary.seconds = time.perf_counter() - started
     log.info("%s", summary.line())
     return summary
+
+
+def _ingest_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, out: Path, path: Path, stat: os.stat_result,
+                 label: str, summary: IngestSummary, progress: Progress, done_bytes: int) -> None:
+    """One input file into its shard and the manifest (or skipped: already done; or failed, counted)."""
+    if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
+        summary.files_skipped += 1
+        return
+    sha = content_sha256(path)
+    row = con.execute(FIND_BY_SHA, [sha]).fetchall()
+    if row and row[0][0] == "done":
+        summary.files_skipped += 1
+        return
+    key = sha[:16]
+    fmt = file_format(path)
+    stats = FileStats(str(path), fmt, progress=lambda at: progress.update((done_bytes + at) / 1e6, path.name))
+    shard = out / f"part-{key}.parquet"
+    shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
+    log.info("%s %s (%s, %.1f MB)", label, path, fmt, stat.st_size / 1e6)
+    tmp = temp_path(shard)
+    try:
+        hashes = _write_shard(path, key, fmt, config, tmp, con, stats)
+    except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
+        tmp.unlink(missing_ok=True)
+        summary.files_failed += 1
+        summary.errors.append(str(exc))
+        log.error("%s", exc)
+        con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "failed", str(exc), None))
+        return
+    _commit_file(con, config, tmp, shard, sha, path, stat, stats, hashes)
+    summary.files_ingested += 1
+    summary.bytes_read += stat.st_size
+    summary.sentences += stats.sentences
+    summary.tokens += _token_count(shard) if stats.sentences else 0
+    summary.duplicates += stats.duplicates
+    summary.rejected_lines += stats.rejected_lines
+    summary.invalid_utf8_lines += stats.invalid_utf8_lines
+    for example in stats.examples:
+        summary.warnings.append(example)
+        log.warning("%s", example)
 
 
 def _token_count(shard: Path) -> int:
@@ -655,7 +727,7 @@ def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, tmp: Path
             con.execute(REMEMBER_HASHES)
             con.unregister("new_hashes")
         if stats.sentences:
-            os.replace(tmp, shard)
+            publish(tmp, shard)
         else:
             tmp.unlink(missing_ok=True)
         con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if stats.sentences else None))

@@ -6,31 +6,38 @@
                       ─► activations: [e;e], [fwd_1;bwd_1], …, [fwd_L;bwd_L]     = L+1 tensors (B, T, 2P)
                       ─► ScalarMix (optional)                                    = (B, T, 2P)
 
-Shapes: B batch rows, T time steps, C chars per token, F CNN filters, H LSTM cell, P projection.
-The numerics follow bilm-tf exactly (see ``docs/elmo-format.md`` §4 in the shared folder); the conversion
-from the TensorFlow weight layout lives in ``weights.py``, not here.
+Shapes: B batch rows, T time steps, C chars per token, F CNN filters, H LSTM cell, P projection, N real tokens.
+The numerics follow bilm-tf exactly (``docs/elmo-format.md`` §4); the TensorFlow weight layout is converted in
+``weights.py`` (``from_pretrained``/``save_pretrained`` call it), never here.
+
+State is explicit: ``BiLM.forward`` takes an optional LSTM state and returns the new one beside the layers. Whoever
+wants bilm-tf's stateful protocol carries it (``inference.StateCarry``); the model keeps nothing between calls.
+Running over many sentences (length-sorted batches, the per-unit token cache) lives in ``inference.py``.
 
 Parameters of each LSTM are held by a ``torch.nn.LSTM(proj_size=P)`` in PyTorch's layout (gates i, f, g, o;
 ``bias_hh`` holds TensorFlow's constant forget-gate +1 and is frozen). With clipping (every published model)
 the recurrence runs in ``_clipped_lstm``: one matmul for the input-to-gates product of all steps, then one
-recurrent matmul per step over the rows still running (packed sequences: no work on padding). Without clipping ``nn.LSTM`` itself runs (cuDNN on GPU).
+recurrent matmul per step over the rows still running (packed sequences: no work on padding). Without clipping
+``nn.LSTM`` itself runs (cuDNN on GPU).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_CHAR, batch_to_ids, tokens_to_char_array
-
-PAD_ID = PAD_CHAR + 1  # in-word padding in the +1 scheme the model reads
+from elmo_core import inference
+from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
+from elmo_core.errors import WeightFileError
+from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
 # (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
 LstmState = tuple[Tensor, Tensor]
@@ -140,7 +147,7 @@ def _step_matmuls(lstm: nn.LSTM, x: Tensor) -> tuple[Callable[[Tensor, Tensor], 
 
 
 def _clipped_lstm(
-    x: Tensor,
+    x: Tensor | None,
     batch_sizes: list[int],
     lstm: nn.LSTM,
     h0: Tensor,
@@ -159,10 +166,10 @@ def _clipped_lstm(
     same sorted order.
     """
     hidden = lstm.hidden_size
-    recurrent, project = _step_matmuls(lstm, x)
     # input-to-gates for every step in one matmul; only h @ W_hh stays inside the loop
     if gates_x is None:
         gates_x = _input_gates(lstm, x)
+    recurrent, project = _step_matmuls(lstm, gates_x)
     h, c = h0, c0
     outputs: list[Tensor] = []
     ended_h: list[Tensor] = []  # final states of rows that ended, the last-ending first
@@ -173,7 +180,7 @@ def _clipped_lstm(
             ended_h.append(h[n:])
             ended_c.append(c[n:])
             h, c = h[:n], c[:n]
-        z = recurrent(gates_x[offset : offset + n], h)
+        z = recurrent(gates_x[offset : offset + n], h).float()  # bf16 matmuls: gates and the cell stay float32
         offset += n
         sig = torch.sigmoid(z)  # gate blocks i, f, g, o (g takes tanh instead)
         c = sig[:, hidden : 2 * hidden] * c + sig[:, :hidden] * torch.tanh(z[:, 2 * hidden : 3 * hidden])
@@ -190,19 +197,47 @@ def _clipped_lstm(
     return torch.cat(outputs), h_n, c_n
 
 
-def _forget_gate_one(lstm: nn.LSTM) -> Tensor:
-    """TensorFlow's constant +1 on the forget gate, as a bias vector in PyTorch gate order (i, f, g, o)."""
-    h = lstm.hidden_size
-    one = torch.zeros(4 * h)
-    one[h : 2 * h] = 1.0
-    return one
+@dataclass
+class Packing:
+    """Where each (row, step) of a batch sits in packed, time-major data (rows sorted longest first).
+
+    Step t holds the first ``batch_sizes[t]`` sorted rows; ``position(row, t) = offsets[t] + rank[row]``.
+    """
+
+    order: Tensor  # (B,) original row of each sorted row
+    rank: Tensor  # (B,) sorted position of each original row
+    batch_sizes: list[int]
+    offsets: Tensor  # (T,) packed index of step t's first row
+    lengths: Tensor  # (B,) original order, on the CPU
+
+    @classmethod
+    def of(cls, lengths: Tensor) -> "Packing":
+        lengths = lengths.detach().cpu().clamp(min=1)  # a 0-length row runs one dummy step (discarded by callers)
+        order = torch.sort(lengths, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order))
+        total = int(lengths.max()) if len(lengths) else 0
+        counts = (lengths[None, :] > torch.arange(total)[:, None]).sum(1)
+        offsets = torch.zeros(total, dtype=torch.long)
+        if total > 1:
+            offsets[1:] = counts.cumsum(0)[:-1]
+        return cls(order, rank, counts.tolist(), offsets, lengths)
+
+    def steps(self) -> tuple[Tensor, Tensor]:
+        """(original row, step) of every packed position, in packed order."""
+        sorted_lengths = self.lengths[self.order]
+        t, r = torch.nonzero(torch.arange(len(self.offsets))[:, None] < sorted_lengths[None, :], as_tuple=True)
+        return self.order[r], t
+
+    def position(self, rows: Tensor, steps: Tensor) -> Tensor:
+        return self.offsets[steps] + self.rank[rows]
 
 
 class ElmoLstm(nn.Module):
     """L layers of forward and backward LSTMs with projection, clipping and the residual for layers ≥ 1.
 
-    ``forward`` takes the two directions' inputs separately: inference passes the same sentence, the
-    backward copy reversed within each row's length; training passes two independent streams.
+    Two entry points: ``forward`` takes padded (B, T, P) inputs of both directions (the backward one already
+    time-reversed per row; training passes two independent streams), and ``run_packed`` takes packed data.
     """
 
     def __init__(self, config: LstmConfig, use_fused: bool | None = None) -> None:
@@ -216,16 +251,16 @@ class ElmoLstm(nn.Module):
 
         self.forward_layers = layers()
         self.backward_layers = layers()
-        for lstm in self._all_layers():
+        for lstm in self.all_layers():
             lstm.bias_hh_l0.requires_grad_(False)
             with torch.no_grad():
-                lstm.bias_hh_l0.copy_(_forget_gate_one(lstm))
+                lstm.bias_hh_l0.copy_(forget_gate_bias(h))
         # The fused path cannot clip; it is only allowed (and the default) when both clips are off.
         self.use_fused = (not config.clipped) if use_fused is None else use_fused
         if self.use_fused and config.clipped:
             raise ValueError("the fused nn.LSTM path cannot clip; set cell_clip and proj_clip to null")
 
-    def _all_layers(self) -> list[nn.LSTM]:
+    def all_layers(self) -> list[nn.LSTM]:
         return [*self.forward_layers, *self.backward_layers]
 
     def zero_state(self, batch: int, device: torch.device, dtype: torch.dtype = torch.float32) -> LstmState:
@@ -235,71 +270,73 @@ class ElmoLstm(nn.Module):
             torch.zeros(cfg.n_layers, 2, batch, cfg.dim, device=device, dtype=dtype),
         )
 
-    def forward(
+    def run_packed(
         self,
-        inputs: tuple[Tensor, Tensor],
-        lengths: Tensor,
-        state: LstmState | None = None,
+        xs: Sequence[Tensor | None],
+        batch_sizes: list[int],
+        state: LstmState,
         dropout: float = 0.0,
-        distinct: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[list[tuple[Tensor, Tensor]], LstmState]:
-        """inputs: (forward (B, T, P), backward (B, T, P) already time-reversed); lengths (B,).
+        gates0: Sequence[Tensor] | None = None,
+    ) -> tuple[list[list[Tensor]], LstmState]:
+        """Packed inputs (N, P) of both directions ─► packed outputs per layer and direction, and the state.
 
-        ``distinct`` = (table (U, P), index (B, T)) says that the forward input is ``table[index]`` and the
-        backward one its per-row reversal; layer 0 then computes its input-to-gates product once per distinct
-        row of the table instead of once per token (inference on the clipped path only).
-
-        Returns per layer (forward out, backward out) (B, T, P) in each direction's *input* time order, zero
-        at padding, and the new state; rows of length 0 keep theirs. ``dropout`` (training) applies to each
-        layer's input; the residual adds the dropped input, as TF's ``DropoutWrapper`` in ``ResidualWrapper``.
+        ``state`` and the returned state are in the packing's sorted row order. ``gates0``: layer 0's
+        input-to-gates products, already computed (inference computes them once per distinct word); the
+        inputs ``xs`` are then not needed. ``dropout`` (training) applies to each layer's input; the residual
+        adds the dropped input, as TF's ``DropoutWrapper`` inside a ``ResidualWrapper``.
         """
-        batch, total, _ = inputs[0].shape
-        if state is None:
-            state = self.zero_state(batch, inputs[0].device, inputs[0].dtype)
         cfg = self.config
-        lengths_cpu = lengths.detach().cpu()
-        # one packing serves every layer and both directions (same lengths); a 0-length row runs one dummy
-        # step whose output and state are discarded below
-        packs = [pack_padded_sequence(x, lengths_cpu.clamp(min=1), batch_first=True, enforce_sorted=False) for x in inputs]
-        layout = packs[0]
-        order, batch_sizes = layout.sorted_indices, layout.batch_sizes.tolist()
-        h_state, c_state = state[0][:, :, order], state[1][:, :, order]
-        xs = [p.data for p in packs]
-        distinct_rows: list[Tensor] | None = None
-        if distinct is not None and not self.use_fused and not (dropout > 0.0 and self.training):
-            index = distinct[1].unsqueeze(-1)
-            distinct_rows = [
-                pack_padded_sequence(i, lengths_cpu.clamp(min=1), batch_first=True, enforce_sorted=False).data.squeeze(-1)
-                for i in (index, reverse_padded(index, lengths))
-            ]
-        new_h, new_c, packed_outputs = [], [], []
+        h_state, c_state = state
+        outputs, new_h, new_c = [], [], []
         for layer in range(cfg.n_layers):
             layer_out, layer_h, layer_c = [], [], []
             for direction, lstm in enumerate((self.forward_layers[layer], self.backward_layers[layer])):
                 x = xs[direction]
-                if dropout > 0.0 and self.training:
+                if x is not None and dropout > 0.0 and self.training:
                     x = nn.functional.dropout(x, dropout, training=True)
                 h0, c0 = h_state[layer, direction], c_state[layer, direction]
                 if self.use_fused:
-                    sorted_pack = layout._replace(data=x, sorted_indices=None, unsorted_indices=None)
-                    out, (h, c) = lstm(sorted_pack, (h0.unsqueeze(0).contiguous(), c0.unsqueeze(0).contiguous()))
+                    packed = PackedSequence(x, torch.tensor(batch_sizes))
+                    out, (h, c) = lstm(packed, (h0.unsqueeze(0).contiguous(), c0.unsqueeze(0).contiguous()))
                     out, h, c = out.data, h[0], c[0]
                 else:
-                    gates_x = None
-                    if layer == 0 and distinct_rows is not None:
-                        gates_x = _input_gates(lstm, distinct[0]).index_select(0, distinct_rows[direction])  # type: ignore[index]
+                    gates_x = gates0[direction] if layer == 0 and gates0 is not None else None
                     out, h, c = _clipped_lstm(x, batch_sizes, lstm, h0, c0, cfg.cell_clip, cfg.proj_clip, gates_x)
                 if layer > 0 and cfg.use_skip_connections:
                     out = out + x  # the residual changes the output only, never the recurrent state
                 layer_out.append(out)
                 layer_h.append(h)
                 layer_c.append(c)
-            packed_outputs.append(layer_out)
+            outputs.append(layer_out)
             new_h.append(torch.stack(layer_h))
             new_c.append(torch.stack(layer_c))
             xs = layer_out
+        return outputs, (torch.stack(new_h), torch.stack(new_c))
+
+    def forward(
+        self,
+        inputs: tuple[Tensor, Tensor],
+        lengths: Tensor,
+        state: LstmState | None = None,
+        dropout: float = 0.0,
+    ) -> tuple[list[tuple[Tensor, Tensor]], LstmState]:
+        """inputs: (forward (B, T, P), backward (B, T, P) already time-reversed); lengths (B,).
+
+        Returns per layer (forward out, backward out) (B, T, P) in each direction's *input* time order, zero
+        at padding, and the new state; rows of length 0 keep theirs.
+        """
+        batch, total, _ = inputs[0].shape
+        if state is None:
+            state = self.zero_state(batch, inputs[0].device, inputs[0].dtype)
+        lengths_cpu = lengths.detach().cpu()
+        # one packing serves every layer and both directions (same lengths)
+        packs = [pack_padded_sequence(x, lengths_cpu.clamp(min=1), batch_first=True, enforce_sorted=False) for x in inputs]
+        layout = packs[0]
+        order = layout.sorted_indices
+        sorted_state = (state[0][:, :, order], state[1][:, :, order])
+        packed_outputs, (h_new, c_new) = self.run_packed([p.data for p in packs], layout.batch_sizes.tolist(), sorted_state, dropout)
         unorder = layout.unsorted_indices
-        h_new, c_new = torch.stack(new_h)[:, :, unorder], torch.stack(new_c)[:, :, unorder]
+        h_new, c_new = h_new[:, :, unorder], c_new[:, :, unorder]
         empty = lengths_cpu == 0
         if bool(empty.any()):
             ran = (~empty).to(h_new.device)[:, None]
@@ -332,9 +369,9 @@ class BiLM(nn.Module):
     """The bidirectional language model of ELMo: token encoder + forward/backward LSTM stacks (+ softmax).
 
     ``forward`` takes ids **without** sentence boundaries (as ``batch_to_ids`` makes them), adds ``<S>``/``</S>``,
-    and returns the L+1 layers with the boundaries removed. It is stateless unless ``stateful=True``, which
-    carries each row's final LSTM state into the same row of the next stateful call (bilm-tf / AllenNLP
-    semantics: rows beyond the batch keep theirs; ``reset_states()`` clears them).
+    and returns the L+1 layers with the boundaries removed, the mask, and the LSTM state after each row's last
+    token. Each row starts from ``state`` (zeros when None): pass a call's returned state into the next call
+    for bilm-tf's stateful protocol (``inference.StateCarry`` does so across batches of changing size).
     """
 
     def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None, use_fused: bool | None = None) -> None:
@@ -345,14 +382,11 @@ class BiLM(nn.Module):
         self.lstm = ElmoLstm(config.lstm, use_fused=use_fused)
         # bilm-tf's softmax: one (V, P) table and bias shared by both directions
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
-        self.vocab: list[str] | None = list(vocab) if vocab is not None else None
+        self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
         max_chars = config.char_cnn.max_characters_per_token
         self.register_buffer("boundary_char_ids", torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(), persistent=False)
-        self._state: LstmState | None = None
-        self._token_table: Tensor | None = None  # token-input mode: (V + 1, P), row 0 = padding
-        self._token_index: dict[str, int] = {}  # token-input mode: word → row of _token_table
 
-    # --- construction, I/O ---------------------------------------------------------------------------
+    # --- weight files --------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
         cls,
@@ -362,15 +396,16 @@ class BiLM(nn.Module):
         vocab_file: str | None = None,
     ) -> "BiLM":
         """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory), in eval mode."""
-        from elmo_core.weights import load_pretrained
-
-        return load_pretrained(options_file, weight_file, vocab_file).to(device).eval()
+        config, state_dict, vocab = read_model_files(options_file, weight_file, vocab_file)
+        model = cls(config, vocab=vocab)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise WeightFileError(f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        return model.to(device).eval()
 
     def save_pretrained(self, directory: str) -> None:
         """Write options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
-        from elmo_core.weights import save_pretrained
-
-        save_pretrained(self, directory)
+        write_model_files(directory, self.config, self.state_dict(), self.vocab)
 
     @property
     def output_dim(self) -> int:
@@ -383,9 +418,6 @@ class BiLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.boundary_char_ids.device
-
-    def reset_states(self) -> None:
-        self._state = None
 
     # --- token embeddings (layer 0) ------------------------------------------------------------------
     def embed_chars(self, char_ids: Tensor) -> Tensor:
@@ -413,43 +445,14 @@ class BiLM(nn.Module):
                 chunks.append(self.token_encoder(ids.to(self.device)))
         return torch.cat(chunks) if chunks else torch.zeros(0, self.config.lstm.projection_dim, device=self.device)
 
-    def cache_token_embeddings(self, vocab: Sequence[str]) -> None:
-        """Token-input mode: precompute layer 0 for ``vocab``; ``forward`` then accepts (B, T) ids = index + 1.
-
-        The cached words are kept apart from ``self.vocab`` (the softmax vocabulary a trained model carries).
-        """
-        words = list(vocab)
-        table = self.token_embeddings(words)
-        self._token_table = torch.cat([table.new_zeros(1, table.shape[1]), table])
-        self._token_index = {token: i + 1 for i, token in enumerate(words)}
-
-    def batch_to_token_ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
-        """(B, T) token-input ids (cached index + 1, 0 = padding), without boundaries, for cached mode."""
-        if self._token_table is None:
-            raise ValueError("no cached vocabulary: call cache_token_embeddings(vocab) first")
-        index = self._token_index
-        longest = max((len(s) for s in sentences), default=0)
-        ids = torch.zeros(len(sentences), longest, dtype=torch.long)
-        for b, sentence in enumerate(sentences):
-            try:
-                ids[b, : len(sentence)] = torch.tensor([index[token] for token in sentence], dtype=torch.long)
-            except KeyError as exc:
-                raise KeyError(f"token {exc.args[0]!r} (sentence {b}) is not in the cached vocabulary") from None
-        return ids
-
-    # --- forward -------------------------------------------------------------------------------------
-    def forward(self, inputs: Tensor, stateful: bool = False, keep_boundaries: bool = False) -> dict[str, list[Tensor] | Tensor]:
-        """inputs: char ids (B, T, C) in the +1 scheme, or token ids (B, T) in cached mode; no boundaries.
-
-        Returns ``{"activations": [L+1 × (B, T, 2P)], "mask": (B, T) bool}``; with ``keep_boundaries`` the
-        tensors are (B, T+2, 2P) with ``<S>`` at 0 and ``</S>`` at length+1 (AllenNLP's ``_ElmoBiLm`` view).
-        """
+    def _with_boundaries(self, inputs: Tensor, token_table: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(table (U, P), index (B, T+2) into it with <S>/</S> added, lengths (B,) with them, mask (B, T))."""
         batch, total = inputs.shape[:2]
         if inputs.dim() == 3:
             mask = (inputs > 0).any(-1)
         elif inputs.dim() == 2:
-            if self._token_table is None:
-                raise ValueError("(B, T) token ids need cache_token_embeddings(vocab) first")
+            if token_table is None:
+                raise ValueError("(B, T) token ids need their token_table (see inference.TokenCache)")
             mask = inputs > 0
         else:
             raise ValueError(f"expected (B, T, C) char ids or (B, T) token ids, got shape {tuple(inputs.shape)}")
@@ -464,79 +467,96 @@ class BiLM(nn.Module):
             table, index = self._distinct_chars(ids.view(-1, ids.shape[-1]))
             index = index.view(batch, total + 2)
         else:
-            vocab_rows = self._token_table.shape[0]  # type: ignore[union-attr]
+            vocab_rows = token_table.shape[0]  # type: ignore[union-attr]
             boundary = self.embed_chars(self.boundary_char_ids)
-            table = torch.cat([self._token_table.to(boundary), boundary])  # type: ignore[union-attr]
+            table = torch.cat([token_table.to(boundary), boundary])  # type: ignore[union-attr]
             index = inputs.new_zeros(batch, total + 2)
             index[:, 1 : total + 1] = inputs * mask
             index[:, 0] = vocab_rows
             index[rows, lengths + 1] = vocab_rows + 1
-        layers, mask_b = self._contextualize(table, index, lengths + 2, stateful)
+        return table, index, lengths + 2, mask
+
+    # --- forward -------------------------------------------------------------------------------------
+    def _run(self, table: Tensor, index: Tensor, lengths: Tensor, state: LstmState | None) -> tuple[Packing, list[list[Tensor]], LstmState]:
+        """Token embeddings ``table[index]`` (B, T+2) with boundaries ─► packed LSTM outputs and the new state.
+
+        Layer 0's input-to-gates product is computed once per row of ``table`` (each distinct word) and gathered.
+        """
+        device = index.device
+        packing = Packing.of(lengths)
+        rows, steps = (t.to(device) for t in packing.steps())
+        lengths = lengths.to(device)
+        ids = [index[rows, steps], index[rows, lengths[rows] - 1 - steps]]  # forward, backward (reversed) order
+        if state is None:
+            state = self.lstm.zero_state(index.shape[0], device, table.dtype)
+        order, rank = packing.order.to(device), packing.rank.to(device)
+        sorted_state = (state[0][:, :, order], state[1][:, :, order])
+        if self.lstm.use_fused:
+            xs, gates0 = [table[i] for i in ids], None
+        else:
+            first = (self.lstm.forward_layers[0], self.lstm.backward_layers[0])
+            xs, gates0 = [None, None], [_input_gates(lstm, table).index_select(0, i) for lstm, i in zip(first, ids)]
+        outputs, (h, c) = self.lstm.run_packed(xs, packing.batch_sizes, sorted_state, gates0=gates0)
+        return packing, outputs, (h[:, :, rank], c[:, :, rank])
+
+    def forward(self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None,
+                keep_boundaries: bool = False) -> dict:
+        """inputs: char ids (B, T, C) in the +1 scheme, or token ids (B, T) into ``token_table``; no boundaries.
+
+        Returns ``{"activations": [L+1 × (B, T, 2P)], "mask": (B, T) bool, "state": (h, c)}``, zero at padding;
+        with ``keep_boundaries`` the layers are (B, T+2, 2P) with ``<S>`` at 0 and ``</S>`` at length+1
+        (AllenNLP's ``_ElmoBiLm`` view) and the mask covers them.
+        """
+        batch, total = inputs.shape[:2]
+        table, index, lengths, mask = self._with_boundaries(inputs, token_table)
+        packing, outputs, new_state = self._run(table, index, lengths, state)
+        width = total + 2
+        rows, steps = (t.to(index.device) for t in packing.steps())
+        lengths = lengths.to(index.device)
+        at_forward, at_backward = rows * width + steps, rows * width + lengths[rows] - 1 - steps
+        mask_b = torch.arange(width, device=index.device)[None, :] < lengths[:, None]
+        x = table[index] * mask_b.unsqueeze(-1).to(table.dtype)
+        layers = [torch.cat([x, x], dim=-1)]
+        p = self.config.lstm.projection_dim
+        for out_f, out_b in outputs:
+            padded = out_f.new_zeros(batch * width, 2 * p)
+            padded[at_forward, :p] = out_f
+            padded[at_backward, p:] = out_b  # the backward LSTM read the row reversed
+            layers.append(padded.view(batch, width, 2 * p))
         if keep_boundaries:
-            return {"activations": layers, "mask": mask_b}
-        keep = mask.unsqueeze(-1).to(layers[0].dtype)
-        return {"activations": [layer[:, 1 : total + 1] * keep for layer in layers], "mask": mask}
+            return {"activations": layers, "mask": mask_b, "state": new_state}
+        keep = mask.unsqueeze(-1).to(layers[0].dtype)  # drops </S>, which sits inside the window of shorter rows
+        return {"activations": [layer[:, 1 : total + 1] * keep for layer in layers], "mask": mask, "state": new_state}
 
-    def _contextualize(self, table: Tensor, index: Tensor, lengths: Tensor, stateful: bool) -> tuple[list[Tensor], Tensor]:
-        """Token embeddings ``table[index]`` (B, T+2, P) with boundaries ─► the L+1 layers (B, T+2, 2P)."""
-        batch, total = index.shape
-        mask_b = torch.arange(total, device=index.device)[None, :] < lengths[:, None]
-        x = table[index]
-        state = self._take_state(batch, x.device, x.dtype) if stateful else None
-        outputs, new_state = self.lstm((x, reverse_padded(x, lengths)), lengths, state, distinct=(table, index))
-        if stateful:
-            self._store_state(new_state)
-        keep = mask_b.unsqueeze(-1).to(x.dtype)
-        layers = [torch.cat([x, x], dim=-1) * keep]
-        for fwd, bwd in outputs:
-            layers.append(torch.cat([fwd, reverse_padded(bwd, lengths)], dim=-1) * keep)
-        return layers, mask_b
+    def token_rows(self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None) -> tuple[list[Tensor], Tensor, LstmState]:
+        """Like ``forward``, without padding: L+1 × (N, 2P) rows, the tokens of row 0, then row 1, …
 
-    def _take_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LstmState:
-        zero = self.lstm.zero_state(batch, device, dtype)
-        if self._state is None:
-            return zero
-        rows = min(batch, self._state[0].shape[2])
-        return tuple(torch.cat([s[:, :, :rows].to(device, dtype), z[:, :, rows:]], dim=2) for s, z in zip(self._state, zero))  # type: ignore[return-value]
-
-    def _store_state(self, new_state: LstmState) -> None:
-        new_state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]
-        batch = new_state[0].shape[2]
-        if self._state is None or self._state[0].shape[2] <= batch:
-            self._state = new_state
-        else:  # rows beyond this batch keep their state
-            self._state = tuple(torch.cat([n, s[:, :, batch:]], dim=2) for n, s in zip(new_state, self._state))  # type: ignore[assignment]
+        Returns the layers, each row's token count (B,), and the new state. What embedding jobs write: no
+        padded (B, T, 2P) tensor is ever built, so the cost per token does not depend on the length spread.
+        """
+        table, index, lengths, _ = self._with_boundaries(inputs, token_table)
+        packing, outputs, new_state = self._run(table, index, lengths, state)
+        device = index.device
+        lengths = lengths.to(device)
+        counts = lengths - 2
+        rows = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        steps = torch.arange(len(rows), device=device) - starts[rows] + 1  # 1 … n: after <S>
+        at_forward = packing.position(rows.cpu(), steps.cpu()).to(device)
+        at_backward = packing.position(rows.cpu(), (lengths[rows] - 1 - steps).cpu()).to(device)
+        e = table[index[rows, steps]]
+        layers = [torch.cat([e, e], dim=-1)]
+        for out_f, out_b in outputs:
+            layers.append(torch.cat([out_f.index_select(0, at_forward), out_b.index_select(0, at_backward)], dim=-1))
+        return layers, counts, new_state
 
     # --- the convenience API -------------------------------------------------------------------------
-    @torch.no_grad()
-    def embed_sentences(
-        self,
-        sentences: Sequence[Sequence[str]],
-        batch_size: int = 64,
-        stateful: bool = False,
-        bf16: bool = False,
-    ) -> list[np.ndarray]:
-        """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed.
-
-        Stateless (default): sentences are bucketed by length and each starts from zero state, so its vectors
-        do not depend on the rest of the batch. ``stateful=True``: batches of ``batch_size`` in the given order,
-        state carried per row like AllenNLP's ``ElmoEmbedder``. ``bf16`` autocasts on CUDA only.
-        """
-        order = list(range(len(sentences)))
-        if not stateful:
-            order.sort(key=lambda i: len(sentences[i]))
-        results: list[np.ndarray | None] = [None] * len(sentences)
-        use_bf16 = bf16 and self.device.type == "cuda"
-        max_chars = self.config.char_cnn.max_characters_per_token
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            ids = batch_to_ids([sentences[i] for i in chunk], max_chars).to(self.device, non_blocking=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-                layers = self(ids, stateful=stateful)["activations"]
-            stacked = torch.stack(layers, dim=1).float().cpu().numpy()  # (B, L+1, T, 2P)
-            for row, i in enumerate(chunk):
-                results[i] = np.ascontiguousarray(stacked[row, :, : len(sentences[i])])
-        return results  # type: ignore[return-value]
+    def embed_sentences(self, sentences: Sequence[Sequence[str]], batch_size: int = 64, stateful: bool = False,
+                        carry: "inference.StateCarry | None" = None, precision: str = "fp32", bf16: bool | None = None,
+                        max_batch_tokens: int = inference.MAX_BATCH_TOKENS) -> list[np.ndarray]:
+        """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed (``inference.embed_sentences``)."""
+        return inference.embed_sentences(self, sentences, batch_size=batch_size, stateful=stateful, carry=carry,
+                                         precision=precision, bf16=bf16, max_batch_tokens=max_batch_tokens)
 
 
 # ----- 4. scalar mix --------------------------------------------------------------------------------
@@ -614,7 +634,7 @@ def init_bilm_tf(model: BiLM) -> None:
         if enc.projection is not None:
             nn.init.normal_(enc.projection.weight, 0.0, std)
             enc.projection.bias.zero_()
-        for lstm in model.lstm._all_layers():
+        for lstm in model.lstm.all_layers():
             # TF's default kernel init is Glorot-uniform over the fused [input; recurrent] kernel
             fan_in = lstm.input_size + (lstm.proj_size or lstm.hidden_size)
             bound = math.sqrt(6.0 / (fan_in + 4 * lstm.hidden_size))
@@ -624,7 +644,7 @@ def init_bilm_tf(model: BiLM) -> None:
                 bound_p = math.sqrt(6.0 / (lstm.hidden_size + lstm.proj_size))
                 nn.init.uniform_(lstm.weight_hr_l0, -bound_p, bound_p)
             lstm.bias_ih_l0.zero_()
-            lstm.bias_hh_l0.copy_(_forget_gate_one(lstm))
+            lstm.bias_hh_l0.copy_(forget_gate_bias(lstm.hidden_size))
         if model.softmax is not None:
             nn.init.normal_(model.softmax.weight, 0.0, 1.0 / math.sqrt(cfg.lstm.projection_dim))
             model.softmax.bias.zero_()

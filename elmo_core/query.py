@@ -11,7 +11,7 @@ from pathlib import Path
 
 import duckdb
 
-from elmo_core.errors import ConfigError
+from elmo_core.errors import ConfigError, InputError
 
 FIND_TOKEN = """
 SELECT sentence_id, token_index, text FROM embeddings
@@ -50,7 +50,7 @@ class EmbeddingStore:
     def __init__(self, path: str | Path, con: duckdb.DuckDBPyConnection | None = None) -> None:
         files = sorted(str(p) for p in Path(path).glob("part-*.parquet"))
         if not files:
-            raise ConfigError(f"{path}: no part-*.parquet embedding files; run `elmo embed` first")
+            raise InputError(f"{path}: no part-*.parquet embedding files; run `elmo embed` first")
         self.con = con or duckdb.connect()
         self.con.read_parquet(files).create_view("embeddings", replace=True)  # file names are never spliced into SQL
         columns = [row[0] for row in self.con.execute("DESCRIBE embeddings").fetchall()]

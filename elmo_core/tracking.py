@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from elmo_core.errors import TrackingError
+
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -111,24 +113,39 @@ class MLflowTracker:
             pip_requirements=["torch", "numpy", "h5py", "pydantic", "pyyaml"],
             code_paths=[str(PROJECT_ROOT / "elmo_core")],
         )
+        if registered_name and info.registered_model_version is not None:
+            uri = f"models:/{registered_name}/{info.registered_model_version}"
+            log.info("registered %s (the newest version is also models:/%s/latest)", uri, registered_name)
+            return uri
         return info.model_uri
 
     def close(self, status: str = "FINISHED") -> None:
         self._mlflow.end_run(status=status)
 
 
+def is_model_uri(uri: str) -> bool:
+    """True for MLflow URIs (``runs:/…``, ``models:/…``, ``file://…``); False for a local path."""
+    return "://" in uri or ":/" in uri
+
+
 def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
-    """A local model directory for a path, ``runs:/<run>/model`` or ``models:/<name>/<version>`` URI."""
-    if "://" not in uri and ":/" not in uri:
+    """A local model directory for a path, ``runs:/<run>/model`` or ``models:/<name>/<version|latest>`` URI."""
+    if not is_model_uri(uri):
         return Path(uri)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
+    except (MlflowException, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TrackingError(f"{uri}: cannot be fetched from the MLflow store {mlflow.get_tracking_uri()} ({message}); check the "
+                            "name and version (`mlflow ui` lists them) and MLFLOW_TRACKING_URI") from None
     if (local / "options.json").exists():
         return local
     for options in sorted((local / "artifacts").rglob("options.json")):  # a logged pyfunc model
         return options.parent
-    raise FileNotFoundError(f"{uri}: no options.json in the downloaded artifacts at {local}")
+    raise TrackingError(f"{uri}: no options.json in the downloaded artifacts at {local}; it is not an ELMo model")

@@ -6,10 +6,13 @@
 * State is carried per row between windows; gradients stop at the window boundary (truncated BPTT).
 * The gradient is taken of ``loss × unroll_steps`` and clipped to a global norm, then Adagrad (lr 0.2, initial
   accumulator 1.0) steps: bilm-tf's recipe. AdamW is an option.
-* A checkpoint holds the model (softmax included), optimizer, RNG states, the sampler, every rank's batcher
-  position and carried LSTM state, and the step; it is written atomically and read with
-  ``torch.load(weights_only=True)``. ``resume=True`` continues from the newest one exactly.
-* Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
+* ``precision: bf16`` autocasts the forward (CPU or CUDA); master weights, optimizer state, the LSTM cell and
+  the softmax with its loss stay float32.
+* A checkpoint (``checkpoint.py``) holds everything in ``Checkpoint``: an exact resume continues the same
+  batches, samples and dropout masks. Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
+
+Read ``train`` at the bottom first: ``setup`` builds a ``Run``, ``step`` trains one batch, ``save``/``restore``
+move a ``Checkpoint`` in and out, ``finish`` evaluates, exports and registers the model.
 """
 
 from __future__ import annotations
@@ -20,84 +23,32 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from elmo_core.batches import LMBatcher
-from elmo_core.config import ModelConfig, load_config_file, preset
-from elmo_core.errors import ConfigError, ElmoError
+from elmo_core.chars import INFERENCE_OFFSET
+from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
+from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError, TrainingDivergedError
+from elmo_core.fileio import write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf
+from elmo_core.options import TrainConfig, validate
+from elmo_core.precision import autocast, resolve_precision
+from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
 from elmo_core.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 
+__all__ = ["TrainConfig", "TrainResult", "TrainingDivergedError", "evaluate", "export_checkpoint", "latest_checkpoint", "train"]
+
 log = logging.getLogger(__name__)
-
-
-class TrainConfig(BaseModel):
-    """Everything ``elmo train`` needs; bilm-tf's option names where it has one. Loadable from YAML/JSON."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data: str = Field(description="folder written by `elmo vocab` (vocab.txt, token_ids/train, token_ids/heldout)")
-    out: str = Field(description="run folder: checkpoints/, model/ (the export), metrics.jsonl")
-    preset: Literal["tiny", "small", "medium", "original"] = Field("tiny", description="published ELMo size")
-    model: ModelConfig | None = Field(None, description="explicit architecture; overrides the preset")
-    init_from: str | None = Field(None, description="fine-tune: a model directory or runs:/ or models:/ URI")
-    batch_size: int = Field(128, gt=0, description="rows per step (per process); bilm-tf used 128 per GPU")
-    unroll_steps: int = Field(20, gt=0, description="truncated-BPTT window")
-    n_epochs: float = Field(10.0, gt=0)
-    max_steps: int | None = Field(None, gt=0, description="stop after this many steps (overrides epochs)")
-    n_train_tokens: int | None = Field(None, gt=0, description="fixes steps per epoch; default: counted")
-    n_negative_samples_batch: int = Field(8192, gt=0)
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    optimizer: Literal["adagrad", "adamw"] = "adagrad"
-    learning_rate: float = Field(0.2, gt=0.0, description="0.2 for Adagrad (bilm-tf); ~1e-3 for AdamW")
-    initial_accumulator_value: float = Field(1.0, ge=0.0)
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW only")
-    all_clip_norm_val: float = Field(10.0, gt=0.0, description="global gradient-norm clip")
-    sparse_softmax: bool | None = Field(None, description="sparse softmax gradients; default: large vocab, Adagrad, one process")
-    seed: int = 0
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    bf16: bool = Field(True, description="bf16 autocast on CUDA (ignored on CPU)")
-    compile: bool = Field(False, description="torch.compile the token encoder")
-    log_every: int = Field(10, gt=0)
-    checkpoint_every: int = Field(1250, gt=0)
-    keep_checkpoints: int = Field(2, gt=0)
-    eval_batch_size: int = Field(64, gt=0)
-    eval_max_batches: int | None = Field(None, gt=0)
-    on_nan: Literal["stop", "skip"] = "stop"
-    resume: bool = Field(False, description="continue from the newest checkpoint in out/")
-    tracking: Literal["mlflow", "none"] = "mlflow"
-    mlflow_experiment: str = "elmo"
-    tracking_uri: str | None = None
-    register_as: str | None = Field("elmo", description="MLflow registered-model name; null: log only")
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
-        data = load_config_file(path)
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls.model_validate(data)
-        except Exception as exc:  # pydantic's message names the field
-            raise ConfigError(f"{path}: {exc}") from None
-
-    def architecture(self, n_tokens_vocab: int) -> ModelConfig:
-        base = self.model or preset(self.preset)
-        return base.model_copy(update={"n_tokens_vocab": n_tokens_vocab})
-
-
-class TrainingDivergedError(ElmoError):
-    """The loss became NaN or infinite."""
 
 
 @dataclass
@@ -125,8 +76,8 @@ class LMObjective(nn.Module):
 
     def hidden(self, chars_f: Tensor, chars_b: Tensor, state: LstmState | None) -> tuple[Tensor, Tensor, LstmState]:
         """Raw char ids (B, T, C) of both streams ─► top-layer outputs (B, T, P) each, and the new state."""
-        x_f = self.bilm.embed_chars(chars_f + 1)  # the model reads the +1 inference scheme
-        x_b = self.bilm.embed_chars(chars_b + 1)
+        x_f = self.bilm.embed_chars(chars_f + INFERENCE_OFFSET)  # the model reads the inference scheme
+        x_b = self.bilm.embed_chars(chars_b + INFERENCE_OFFSET)
         lengths = torch.full((chars_f.shape[0],), chars_f.shape[1], dtype=torch.long)
         outputs, new_state = self.bilm.lstm((x_f, x_b), lengths, state, dropout=self.dropout)
         top_f, top_b = outputs[-1]
@@ -140,8 +91,10 @@ class LMObjective(nn.Module):
         top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
         softmax = self.bilm.softmax
         p = top_f.shape[-1]
-        loss_f = sampled_softmax_loss(top_f.reshape(-1, p), targets_f.reshape(-1), softmax.weight, softmax.bias, sampled, num_tries, sampler, self.sparse)
-        loss_b = sampled_softmax_loss(top_b.reshape(-1, p), targets_b.reshape(-1), softmax.weight, softmax.bias, sampled, num_tries, sampler, self.sparse)
+        with torch.autocast(top_f.device.type, enabled=False):  # the softmax and its loss in float32
+            loss_f, loss_b = (sampled_softmax_loss(top.float().reshape(-1, p), targets.reshape(-1), softmax.weight, softmax.bias,
+                                                   sampled, num_tries, sampler, self.sparse)
+                              for top, targets in ((top_f, targets_f), (top_b, targets_b)))
         return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
 
 
@@ -161,33 +114,37 @@ def evaluate(bilm: BiLM, token_id_dir: str | Path, batch_size: int = 64, unroll_
     bilm.eval()
     objective = LMObjective(bilm, 0.0, False)
     device = bilm.device
-    n_sentences = sum(_num_rows(f) for f in Path(token_id_dir).glob("part-*.parquet"))
+    files = sorted(Path(token_id_dir).glob("part-*.parquet"))
+    n_sentences = sum(_num_rows(f) for f in files)
     if n_sentences == 0:
-        raise ConfigError(f"{token_id_dir}: no heldout sentences to evaluate on")
+        raise InputError(f"{token_id_dir}: no heldout sentences to evaluate on")
     rows = max(1, min(batch_size, n_sentences // 4))
+    n_tokens = sum(_num_tokens(f) for f in files)
     batcher = LMBatcher(token_id_dir, rows, unroll_steps, shuffle=False, loop=False)
-    total_f = total_b = 0.0
-    unigram = 0.0
+    total_f = total_b = unigram = 0.0
     tokens = batches = 0
     state = None
     log_p = None
     if unigram_counts is not None:
         log_p = np.log((unigram_counts + 1.0) / (unigram_counts.sum() + len(unigram_counts)))
-    for batch in batcher:
-        top_f, top_b, state = objective.hidden(_tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state)
-        p = top_f.shape[-1]
-        softmax = bilm.softmax
-        total_f += float(full_softmax_loss(top_f.reshape(-1, p), _tensor(batch["next_token_id"], device).reshape(-1), softmax.weight, softmax.bias))
-        total_b += float(full_softmax_loss(top_b.reshape(-1, p), _tensor(batch["next_token_id_reverse"], device).reshape(-1), softmax.weight, softmax.bias))
-        if log_p is not None:
-            unigram += float(-log_p[batch["next_token_id"]].mean())
-        batches += 1
-        tokens += batch["next_token_id"].size
-        if max_batches and batches >= max_batches:
-            break
+    expected = n_tokens // (rows * unroll_steps)
+    with track("evaluate", min(expected, max_batches or expected) or None, "batches") as progress:
+        for batch in batcher:
+            top_f, top_b, state = objective.hidden(_tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state)
+            p = top_f.shape[-1]
+            softmax = bilm.softmax
+            total_f += float(full_softmax_loss(top_f.reshape(-1, p), _tensor(batch["next_token_id"], device).reshape(-1), softmax.weight, softmax.bias))
+            total_b += float(full_softmax_loss(top_b.reshape(-1, p), _tensor(batch["next_token_id_reverse"], device).reshape(-1), softmax.weight, softmax.bias))
+            if log_p is not None:
+                unigram += float(-log_p[batch["next_token_id"]].mean())
+            batches += 1
+            tokens += batch["next_token_id"].size
+            progress.update(batches, f"perplexity {math.exp(0.5 * (total_f + total_b) / batches):.1f}")
+            if max_batches and batches >= max_batches:
+                break
     bilm.train(was_training)
     if batches == 0:
-        raise ConfigError(f"{token_id_dir}: too little heldout text for one {rows}x{unroll_steps} window")
+        raise InputError(f"{token_id_dir}: too little heldout text for one {rows}x{unroll_steps} window")
     result = {
         "perplexity_forward": math.exp(total_f / batches),
         "perplexity_backward": math.exp(total_b / batches),
@@ -199,10 +156,29 @@ def evaluate(bilm: BiLM, token_id_dir: str | Path, batch_size: int = 64, unroll_
     return result
 
 
+def describe_perplexity(result: dict[str, float]) -> str:
+    if not result:
+        return "no heldout split to evaluate"
+    text = (f"heldout perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
+            f"backward {result['perplexity_backward']:.2f}")
+    if "perplexity_unigram" in result:
+        text += f"; unigram baseline {result['perplexity_unigram']:.2f}"
+    return text + ")"
+
+
 def _num_rows(path: Path) -> int:
     import pyarrow.parquet as pq
 
     return pq.ParquetFile(path).metadata.num_rows
+
+
+def _num_tokens(path: Path) -> int:
+    """Tokens plus one boundary per sentence: the positions a pass over the file predicts."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(path, columns=["ids"]).column("ids")
+    return int(pc.sum(pc.list_value_length(ids)).as_py() or 0) + len(ids)
 
 
 def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
@@ -223,47 +199,6 @@ def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
 
 def _tensor(array: np.ndarray, device: torch.device) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).long().to(device, non_blocking=True)
-
-
-# ----- checkpoints ------------------------------------------------------------------------------------
-
-
-def checkpoint_dir(out: str | Path) -> Path:
-    return Path(out) / "checkpoints"
-
-
-def latest_checkpoint(out: str | Path) -> Path | None:
-    found = sorted(checkpoint_dir(out).glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    return found[-1] if found else None
-
-
-def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
-    """A checkpoint (or a run folder's newest) ─► a bilm-tf/AllenNLP model directory; returns (step, checkpoint)."""
-    source = Path(checkpoint_or_run)
-    checkpoint = latest_checkpoint(source) if source.is_dir() else source
-    if checkpoint is None or not checkpoint.exists():
-        raise ConfigError(f"{source}: no checkpoint found")
-    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    config = TrainConfig.model_validate_json(payload["config"])
-    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
-    bilm = BiLM(config.architecture(payload["model"]["softmax.weight"].shape[0]), vocab=vocab)
-    bilm.load_state_dict(payload["model"])
-    bilm.save_pretrained(str(out))
-    return int(payload["step"]), checkpoint
-
-
-def _save_checkpoint(out: Path, step: int, payload: dict[str, Any], keep: int) -> Path:
-    directory = checkpoint_dir(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{step:09d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    for old in sorted(directory.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-keep]:
-        old.unlink()
-    return path
 
 
 # ----- distributed ------------------------------------------------------------------------------------
@@ -290,17 +225,40 @@ def _init_distributed(device: torch.device) -> _Dist:
     return _Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _pick_device(name: str) -> torch.device:
+def _gather(ddp: _Dist, item: Any) -> list[Any]:
+    if ddp.world == 1:
+        return [item]
+    gathered: list[Any] = [None] * ddp.world
+    dist.all_gather_object(gathered, item)
+    return gathered
+
+
+def _pick_device(name: str, ddp_local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         log.warning("CUDA is not available; training on the CPU")
         return torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ddp_local_rank)
     return device
 
 
-# ----- the training loop -------------------------------------------------------------------------------
+def _check_replicas_agree(bilm: BiLM, ddp: _Dist, out: Path) -> None:
+    """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(bilm.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    digests = _gather(ddp, digest.hexdigest())
+    if ddp.main:
+        write_text_atomic(out / "ddp_weights.json", json.dumps(digests) + "\n")
+        if len(set(digests)) != 1:
+            raise ElmoError(f"DDP replicas diverged: weight digests {digests}")
+
+
+# ----- building a run ---------------------------------------------------------------------------------
 
 
 def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
@@ -317,11 +275,9 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
         log.warning("%s has no softmax for this %d-word vocabulary: initialising a new one (bilm-tf's N(0, 1/sqrt(P)))",
                     model_dir, len(vocab))
         fresh = BiLM(bilm.config.model_copy(update={"n_tokens_vocab": len(vocab)}), vocab=vocab)
-        missing = fresh.load_state_dict({k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False)
-        assert all(k.startswith("softmax.") for k in missing.missing_keys)
-        p = fresh.config.lstm.projection_dim
+        fresh.load_state_dict({k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False)
         with torch.no_grad():
-            nn.init.normal_(fresh.softmax.weight, 0.0, 1.0 / math.sqrt(p))
+            nn.init.normal_(fresh.softmax.weight, 0.0, 1.0 / math.sqrt(fresh.config.lstm.projection_dim))
             fresh.softmax.bias.zero_()
         bilm = fresh
     bilm.vocab = vocab
@@ -355,24 +311,51 @@ def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return norm
 
 
-def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
-    """Run (or resume) a training; returns the final perplexity and where the exported model is."""
+@dataclass
+class Run:
+    """Everything one training run holds. ``setup`` makes it; ``step``, ``save`` and ``restore`` change it."""
+
+    config: TrainConfig
+    out: Path
+    data: Path
+    device: torch.device
+    ddp: _Dist
+    precision: str
+    vocab: list[str]
+    unigram_counts: np.ndarray
+    bilm: BiLM
+    model: nn.Module  # the LMObjective, wrapped in DDP across processes
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    sampler: LogUniformSampler
+    batcher: LMBatcher
+    tracker: Tracker
+    steps_per_epoch: int
+    total_steps: int
+    state: LstmState | None = None  # each row's LSTM state, carried into the next window
+    step: int = 0
+    loss: float = float("nan")
+    skipped: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.config.unroll_steps * self.ddp.world
+
+
+def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
+    """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
     torch.manual_seed(config.seed)
-    device = _pick_device(config.device)
-    ddp = _init_distributed(device)
+    ddp = _init_distributed(_pick_device(config.device))
+    device = _pick_device(config.device, ddp.local_rank)
     if device.type == "cuda":
-        device = torch.device("cuda", ddp.local_rank if config.device in ("auto", "cuda") else device.index or 0)
         torch.cuda.set_device(device)
-    out = Path(config.out)
-    data = Path(config.data)
+    out, data = Path(config.out), Path(config.data)
     vocab_path = data / VOCAB_NAME_IN_DATA
     vocab = read_vocab_file(vocab_path)
     check_training_vocab(vocab, str(vocab_path))
     counts, n_data_tokens = train_token_counts(data, len(vocab))
-    n_train_tokens = config.n_train_tokens or n_data_tokens
-    steps_per_epoch = max(1, n_train_tokens // (config.batch_size * config.unroll_steps * ddp.world))
-    total_steps = config.max_steps or max(1, int(config.n_epochs * steps_per_epoch))
-
+    steps_per_epoch = max(1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world))
     bilm = _build_model(config, vocab).to(device)
     if config.compile:
         bilm.token_encoder = torch.compile(bilm.token_encoder)  # type: ignore[assignment]
@@ -385,209 +368,261 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
     if ddp.world > 1:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
-    optimizer = _make_optimizer(config, params)
-    sampler = LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank)
-    batcher = LMBatcher(data / "token_ids" / "train", config.batch_size, config.unroll_steps, seed=config.seed, rank=ddp.rank, world=ddp.world)
-    state: LstmState | None = None
-    step = 0
-    run_id = None
-
-    checkpoint = latest_checkpoint(out) if config.resume else None
-    if checkpoint is not None:
-        payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        bilm.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        sampler = LogUniformSampler(len(vocab), seed=0)
-        sampler.load_state_dict(payload["samplers"][ddp.rank])
-        batcher.load_state_dict(json.loads(payload["batchers"][ddp.rank]))
-        torch.set_rng_state(payload["torch_rng"][ddp.rank])
-        if device.type == "cuda" and payload.get("cuda_rng"):
-            torch.cuda.set_rng_state(payload["cuda_rng"][ddp.rank], device)
-        state = tuple(s.to(device) for s in payload["lstm_states"][ddp.rank])  # type: ignore[assignment]
-        step = int(payload["step"])
-        run_id = payload.get("run_id") or None
-        log.info("resumed from %s at step %d", checkpoint, step)
+    run = Run(config, out, data, device, ddp, resolve_precision(config.precision, device), vocab, counts, bilm, model, params,
+              _make_optimizer(config, params), LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
+              LMBatcher(data / "token_ids" / "train", config.batch_size, config.unroll_steps, seed=config.seed, rank=ddp.rank, world=ddp.world),
+              NullTracker(), steps_per_epoch, config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)))
+    found = load_newest_valid(out) if config.resume else None
+    if found is not None:
+        restore(run, Checkpoint(**found[1]))
+        log.info("resumed from %s at step %d", found[0], run.step)
     elif config.resume:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
         out.mkdir(parents=True, exist_ok=True)
-        if tracker is None:
-            tracker = (MLflowTracker(config.mlflow_experiment, run_name=out.name, tracking_uri=config.tracking_uri, run_id=run_id,
-                                     tags={"elmo.stage": "train"})
-                       if config.tracking == "mlflow" else NullTracker())
-        tracker.log_params({"config": config.model_dump(mode="json"), "architecture": bilm.config.model_dump(mode="json"),
-                            "data": {"vocab_size": len(vocab), "n_train_tokens": n_train_tokens, "steps_per_epoch": steps_per_epoch,
-                                     "world_size": ddp.world, "sparse_softmax": sparse, "device": str(device)}})
-        (out / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+        run.tracker = tracker or (MLflowTracker(config.mlflow_experiment, run_name=out.name, tracking_uri=config.tracking_uri,
+                                                run_id=run.tracker.run_id, tags={"elmo.stage": "train"})
+                                  if config.tracking == "mlflow" else NullTracker())
+        run.tracker.log_params({"config": config.model_dump(mode="json"), "architecture": bilm.config.model_dump(mode="json"),
+                                "data": {"vocab_size": len(vocab), "n_train_tokens": config.n_train_tokens or n_data_tokens,
+                                         "steps_per_epoch": steps_per_epoch, "world_size": ddp.world, "sparse_softmax": sparse,
+                                         "device": str(device), "precision": run.precision}})
+        write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
+    return run
+
+
+# ----- checkpoints: every key named once --------------------------------------------------------------
+
+
+@dataclass
+class RankState:
+    """What differs between DDP ranks: each reads its own sentences and samples its own negatives."""
+
+    sampler: dict[str, Tensor]
+    batcher: str  # the batcher's position as JSON
+    torch_rng: Tensor
+    cuda_rng: Tensor | None
+    lstm_state: tuple[Tensor, Tensor]
+
+    @classmethod
+    def capture(cls, run: Run) -> "RankState":
+        state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
+        return cls(run.sampler.state_dict(), json.dumps(run.batcher.state_dict()), torch.get_rng_state(),
+                   torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+                   tuple(s.detach().cpu() for s in state))  # type: ignore[arg-type]
+
+    def apply(self, run: Run) -> None:
+        run.sampler.load_state_dict(self.sampler)
+        run.batcher.load_state_dict(json.loads(self.batcher))
+        torch.set_rng_state(self.torch_rng)
+        if run.device.type == "cuda" and self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, run.device)
+        run.state = tuple(s.to(run.device) for s in self.lstm_state)  # type: ignore[assignment]
+
+
+@dataclass
+class Checkpoint:
+    """The keys of a checkpoint file (``torch.save`` of these fields); per-rank lists are indexed by rank."""
+
+    step: int
+    config: str  # the TrainConfig as JSON
+    run_id: str  # the MLflow run a resume continues ("" without tracking)
+    model: dict[str, Tensor]  # the BiLM's state dict, softmax included
+    optimizer: dict[str, Any]
+    samplers: list[dict[str, Tensor]]
+    batchers: list[str]
+    torch_rng: list[Tensor]
+    cuda_rng: list[Tensor]  # empty on the CPU
+    lstm_states: list[tuple[Tensor, Tensor]]
+
+    def rank(self, rank: int) -> RankState:
+        return RankState(self.samplers[rank], self.batchers[rank], self.torch_rng[rank],
+                         self.cuda_rng[rank] if self.cuda_rng else None, self.lstm_states[rank])
+
+    def payload(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def save(run: Run) -> Path | None:
+    """Write the run's checkpoint (rank 0, with every rank's state); returns its path on rank 0."""
+    ranks: list[RankState] = _gather(run.ddp, RankState.capture(run))
+    if not run.ddp.main:
+        return None
+    checkpoint = Checkpoint(
+        run.step, run.config.model_dump_json(), run.tracker.run_id or "",
+        {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()}, run.optimizer.state_dict(),
+        [r.sampler for r in ranks], [r.batcher for r in ranks], [r.torch_rng for r in ranks],
+        [r.cuda_rng for r in ranks if r.cuda_rng is not None], [r.lstm_state for r in ranks])
+    path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
+    log.info("checkpoint %s", path)
+    return path
+
+
+def restore(run: Run, checkpoint: Checkpoint) -> None:
+    """Put a run back exactly where ``checkpoint`` was taken."""
+    try:
+        run.bilm.load_state_dict(checkpoint.model)
+        run.optimizer.load_state_dict(checkpoint.optimizer)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "
+                              f"model or optimizer ({str(exc).splitlines()[0][:160]}); use a new out folder") from None
+    if len(checkpoint.batchers) != run.ddp.world:
+        raise CheckpointError(f"{checkpoint_dir(run.out)}: written by {len(checkpoint.batchers)} processes, resumed by "
+                              f"{run.ddp.world}; resume with the same number of processes")
+    checkpoint.rank(run.ddp.rank).apply(run)
+    run.step = checkpoint.step
+    run.tracker.run_id = checkpoint.run_id or None
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    """The newest checkpoint file of a run folder (not verified; see ``checkpoint.load_newest_valid``)."""
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
+    """A checkpoint (or a run folder's newest valid one) ─► a bilm-tf/AllenNLP model directory; returns (step, checkpoint)."""
+    source = Path(checkpoint_or_run)
+    if source.is_dir():
+        found = load_newest_valid(source)
+        if found is None:
+            raise CheckpointError(f"{source}: no checkpoint in {checkpoint_dir(source)}")
+        path, payload = found
     else:
-        tracker = NullTracker()
+        path, payload = source, load_checkpoint(source)
+    checkpoint = Checkpoint(**payload)
+    config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
+    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
+    bilm = BiLM(config.architecture(checkpoint.model["softmax.weight"].shape[0]), vocab=vocab)
+    bilm.load_state_dict(checkpoint.model)
+    bilm.save_pretrained(str(out))
+    return checkpoint.step, path
 
-    use_bf16 = config.bf16 and device.type == "cuda"
-    metrics_file = out / "metrics.jsonl"
-    history: list[dict[str, float]] = []
-    last_loss = float("nan")
-    tokens_per_step = config.batch_size * config.unroll_steps * ddp.world
-    window_start, window_tokens = time.perf_counter(), 0
-    started = time.perf_counter()
-    skipped = 0
 
-    def save(step: int) -> Path | None:
-        gathered = _gather(ddp, {
-            "sampler": sampler.state_dict(), "batcher": json.dumps(batcher.state_dict()),
-            "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-            "lstm_state": tuple(s.detach().cpu() for s in state) if state is not None else None,
-        })
-        if not ddp.main:
-            return None
-        payload = {
-            "model": {k: v.detach().cpu() for k, v in bilm.state_dict().items()},
-            "optimizer": optimizer.state_dict(),
-            "samplers": [g["sampler"] for g in gathered],
-            "batchers": [g["batcher"] for g in gathered],
-            "torch_rng": [g["torch_rng"] for g in gathered],
-            "cuda_rng": [g["cuda_rng"] for g in gathered] if device.type == "cuda" else [],
-            "lstm_states": [g["lstm_state"] if g["lstm_state"] is not None else tuple(bilm.lstm.zero_state(config.batch_size, torch.device("cpu")))
-                            for g in gathered],
-            "step": step,
-            "run_id": tracker.run_id or "",
-            "config": config.model_dump_json(),
-        }
-        return _save_checkpoint(out, step, payload, config.keep_checkpoints)
+# ----- one step ---------------------------------------------------------------------------------------
 
+
+def step(run: Run) -> dict[str, float] | None:
+    """Train on one batch: forward, backward, clip, update. Returns its losses, or None if a NaN batch was skipped."""
+    config = run.config
+    batch = run.batcher.next_batch()
+    if batch is None:  # cannot happen with loop=True unless the split is empty
+        raise InputError(f"{run.data}/token_ids/train: no training batches")
+    sampled, num_tries = run.sampler.sample(config.n_negative_samples_batch)
+    with autocast(run.device, run.precision):
+        loss, loss_f, loss_b, new_state = run.model(
+            _tensor(batch["tokens_characters"], run.device), _tensor(batch["tokens_characters_reverse"], run.device),
+            _tensor(batch["next_token_id"], run.device), _tensor(batch["next_token_id_reverse"], run.device),
+            run.state, sampled, num_tries, run.sampler)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]  # truncated BPTT
+    run.step += 1
+    if not torch.isfinite(loss):
+        if config.on_nan == "stop":
+            last = latest_checkpoint(run.out)
+            raise TrainingDivergedError(f"loss is {float(loss.detach())} at step {run.step}; stopped. The last good checkpoint is "
+                                        f"{last or 'none (none written yet)'}; resume from it with a lower learning rate or on_nan=skip")
+        run.skipped += 1
+        log.warning("loss is %s at step %d: batch skipped (%d so far)", float(loss.detach()), run.step, run.skipped)
+        return None
+    (loss * config.unroll_steps).backward()  # bilm-tf: summed over time, averaged over the batch
+    grad_norm = _clip_global_norm(run.params, config.all_clip_norm_val)
+    run.optimizer.step()
+    run.loss = float(loss.detach())
+    record = {"step": run.step, "loss": run.loss, "loss_forward": float(loss_f.detach()), "loss_backward": float(loss_b.detach()),
+              "grad_norm": grad_norm}
+    if run.ddp.main:
+        with open(run.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({k: record[k] for k in ("step", "loss", "loss_forward", "loss_backward")}) + "\n")
+    return record
+
+
+def log_metrics(run: Run, record: dict[str, float], tokens_per_s: float) -> None:
+    metrics = {"loss": record["loss"], "perplexity_forward": math.exp(min(record["loss_forward"], 50.0)),
+               "perplexity_backward": math.exp(min(record["loss_backward"], 50.0)), "tokens_per_s": tokens_per_s,
+               "learning_rate": run.optimizer.param_groups[0]["lr"], "grad_norm": record["grad_norm"]}
+    run.tracker.log_metrics(metrics, run.step)
+    run.history.append({"step": run.step, **metrics})
+
+
+def evaluate_heldout(run: Run) -> dict[str, float]:
+    """Heldout perplexity (rank 0), logged as ``heldout_*`` metrics; {} without a heldout split."""
+    heldout = run.data / "token_ids" / "heldout"
+    if not run.ddp.main or not heldout.exists() or not any(_num_rows(f) for f in heldout.glob("part-*.parquet")):
+        return {}
+    config = run.config
+    result = evaluate(run.bilm, heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches, run.unigram_counts)
+    run.tracker.log_metrics({f"heldout_{k}": v for k, v in result.items()}, run.step)
+    log.info("step %d %s", run.step, describe_perplexity(result))
+    return result
+
+
+def finish(run: Run) -> TrainResult:
+    """Final checkpoint, replica check, heldout perplexity, export to OUT/model, MLflow artifacts and registry."""
+    final = save(run)
+    if run.ddp.world > 1:
+        _check_replicas_agree(run.bilm, run.ddp, run.out)
+    perplexity = evaluate_heldout(run)
+    model_dir, model_uri = run.out / "model", None
+    if run.ddp.main:
+        run.bilm.token_encoder = getattr(run.bilm.token_encoder, "_orig_mod", run.bilm.token_encoder)  # undo compile
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        run.bilm.save_pretrained(str(model_dir))
+        write_text_atomic(run.out / "perplexity.json", json.dumps(perplexity, indent=2) + "\n")
+        run.tracker.log_artifact(run.out / "config.json")
+        run.tracker.log_artifact(model_dir, "export")
+        if final is not None:
+            run.tracker.log_artifact(final, "checkpoint")
+        model_uri = run.tracker.log_model_dir(model_dir, run.config.register_as)
+    return TrainResult(run.step, run.loss, perplexity, model_dir, run.tracker.run_id, model_uri, run.history)
+
+
+# ----- the loop ---------------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
+    """Run (or resume) a training; returns the final perplexity and where the exported model is."""
+    run = setup(config, tracker)
     status = "FAILED"
     try:
-        while step < total_steps:
-            batch = batcher.next_batch()
-            if batch is None:  # cannot happen with loop=True unless the split is empty
-                raise ConfigError(f"{data}/token_ids/train: no training batches")
-            sampled, num_tries = sampler.sample(config.n_negative_samples_batch)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-                loss, loss_f, loss_b, new_state = model(
-                    _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device),
-                    _tensor(batch["next_token_id"], device), _tensor(batch["next_token_id_reverse"], device),
-                    state, sampled, num_tries, sampler)
-            if not torch.isfinite(loss):
-                if config.on_nan == "stop":
-                    last = latest_checkpoint(out)
-                    raise TrainingDivergedError(f"loss is {float(loss.detach())} at step {step + 1}; stopped. The last good checkpoint is "
-                                                f"{last or 'none (none written yet)'}; resume from it with a lower learning rate or on_nan=skip")
-                skipped += 1
-                log.warning("loss is %s at step %d: batch skipped (%d so far)", float(loss.detach()), step + 1, skipped)
-                optimizer.zero_grad(set_to_none=True)
-                state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]
-                step += 1
-                continue
-            optimizer.zero_grad(set_to_none=True)
-            (loss * config.unroll_steps).backward()  # bilm-tf: summed over time, averaged over the batch
-            grad_norm = _clip_global_norm(params, config.all_clip_norm_val)
-            optimizer.step()
-            state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]  # truncated BPTT
-            step += 1
-            last_loss = float(loss.detach())
-            window_tokens += tokens_per_step
-            loss_f, loss_b = float(loss_f.detach()), float(loss_b.detach())
-            record = {"step": step, "loss": last_loss, "loss_forward": loss_f, "loss_backward": loss_b}
-            if ddp.main:
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            if ddp.main and (step % config.log_every == 0 or step == total_steps):
-                elapsed = time.perf_counter() - window_start
-                tps = window_tokens / max(elapsed, 1e-9)
-                metrics = {"loss": last_loss, "perplexity_forward": math.exp(min(loss_f, 50.0)),
-                           "perplexity_backward": math.exp(min(loss_b, 50.0)), "tokens_per_s": tps,
-                           "learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
-                tracker.log_metrics(metrics, step)
-                history.append({"step": step, **metrics})
-                eta = (total_steps - step) * tokens_per_step / max(tps, 1e-9)
-                _progress(step, total_steps, last_loss, tps, eta)
-                window_start, window_tokens = time.perf_counter(), 0
-            if step % steps_per_epoch == 0 and step < total_steps and (data / "token_ids" / "heldout").exists():
-                _log_eval(bilm, data, config, counts, tracker, step, ddp)
-            if step % config.checkpoint_every == 0 and step < total_steps:
-                path = save(step)
-                if path is not None:
-                    log.info("checkpoint %s", path)
-        final = save(step)
-        if ddp.world > 1:
-            _check_replicas_agree(bilm, ddp, out)
-        perplexity = _log_eval(bilm, data, config, counts, tracker, step, ddp)
-        model_dir = out / "model"
-        model_uri = None
-        if ddp.main:
-            bilm_for_export = bilm
-            if config.compile:
-                bilm_for_export.token_encoder = getattr(bilm.token_encoder, "_orig_mod", bilm.token_encoder)
-            if model_dir.exists():
-                shutil.rmtree(model_dir)
-            bilm_for_export.save_pretrained(str(model_dir))
-            (out / "perplexity.json").write_text(json.dumps(perplexity, indent=2) + "\n")
-            tracker.log_artifact(out / "config.json")
-            tracker.log_artifact(model_dir, "export")
-            if final is not None:
-                tracker.log_artifact(final, "checkpoint")
-            model_uri = tracker.log_model_dir(model_dir, config.register_as)
-            seconds = time.perf_counter() - started
-            sys.stderr.write("\n")
-            log.info("train: %d steps, loss %.3f, %s in %.0f s -> %s", step, last_loss, describe_perplexity(perplexity), seconds, model_dir)
+        with track("train", run.total_steps, "steps", done=run.step) as progress:
+            window = Window(run.tokens_per_step)
+            while run.step < run.total_steps:
+                record = step(run)
+                if record is not None:
+                    window.count()
+                    progress.update(run.step, f"loss {run.loss:.3f}, {window.rate():,.0f} tok/s")
+                    if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
+                        log_metrics(run, record, window.rate(reset=True))
+                if run.step % run.steps_per_epoch == 0 and run.step < run.total_steps:
+                    evaluate_heldout(run)
+                if run.step % config.checkpoint_every == 0 and run.step < run.total_steps:
+                    save(run)
+        result = finish(run)
         status = "FINISHED"
-        return TrainResult(step, last_loss, perplexity, model_dir, tracker.run_id, model_uri, history)
+        return result
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     finally:
-        tracker.close(status)
-        if ddp.world > 1 and dist.is_initialized():
+        run.tracker.close(status)
+        if run.ddp.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _check_replicas_agree(bilm: BiLM, ddp: _Dist, out: Path) -> None:
-    """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(bilm.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    digests = [g["sha256"] for g in _gather(ddp, {"sha256": digest.hexdigest()})]
-    if ddp.main:
-        (out / "ddp_weights.json").write_text(json.dumps(digests) + "\n")
-        if len(set(digests)) != 1:
-            raise ElmoError(f"DDP replicas diverged: weight digests {digests}")
+class Window:
+    """Tokens per second over the steps since the last logged metrics."""
 
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step, self.steps, self.started = tokens_per_step, 0, time.perf_counter()
 
-def _gather(ddp: _Dist, item: dict[str, Any]) -> list[dict[str, Any]]:
-    if ddp.world == 1:
-        return [item]
-    gathered: list[Any] = [None] * ddp.world
-    dist.all_gather_object(gathered, item)
-    return gathered
+    def count(self) -> None:
+        self.steps += 1
 
-
-def _log_eval(bilm: BiLM, data: Path, config: TrainConfig, counts: np.ndarray, tracker: Tracker, step: int, ddp: _Dist) -> dict[str, float]:
-    heldout = data / "token_ids" / "heldout"
-    if not ddp.main or not heldout.exists() or not any(_num_rows(f) for f in heldout.glob("part-*.parquet")):
-        return {}
-    result = evaluate(bilm, heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches, counts)
-    tracker.log_metrics({f"heldout_{k}": v for k, v in result.items()}, step)
-    log.info("step %d heldout perplexity %.2f (forward %.2f, backward %.2f; unigram %.2f)", step, result["perplexity"],
-             result["perplexity_forward"], result["perplexity_backward"], result.get("perplexity_unigram", float("nan")))
-    return result
-
-
-def describe_perplexity(result: dict[str, float]) -> str:
-    if not result:
-        return "no heldout split to evaluate"
-    text = (f"heldout perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
-            f"backward {result['perplexity_backward']:.2f}")
-    if "perplexity_unigram" in result:
-        text += f"; unigram baseline {result['perplexity_unigram']:.2f}"
-    return text + ")"
-
-
-def _progress(step: int, total: int, loss: float, tps: float, eta: float) -> None:
-    width = 30
-    done = int(width * step / total)
-    line = f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f} {tps:,.0f} tok/s ETA {eta / 60:.1f} min"
-    if sys.stderr.isatty():
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    else:
-        log.info(line.strip())
+    def rate(self, reset: bool = False) -> float:
+        now = time.perf_counter()
+        value = self.steps * self.tokens_per_step / max(now - self.started, 1e-9)
+        if reset:
+            self.steps, self.started = 0, now
+        return value

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Iterable
+from contextlib import ExitStack
+from typing import Callable, Iterable
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
 
-from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN
-from elmo_core.errors import ConfigError
+from elmo_core.chars import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, UNK_ID, UNK_TOKEN, tokens_to_char_array
+from elmo_core.errors import ConfigError, InputError
+from elmo_core.fileio import atomic_path, atomic_write, write_text_atomic
+from elmo_core.ingest import shard_paths
+from elmo_core.options import VocabConfig
+from elmo_core.progress import track
 
 MAX_TERM_ID = "!!!MAXTERMID"  # bilm-tf skips this marker line
 VOCAB_NAME_IN_DATA = "vocab.txt"  # written beside the DuckDB file, with token_ids/ next to it
@@ -27,27 +30,24 @@ def read_vocab_file(path: str | Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: vocabulary file not found") from None
+        raise InputError(f"{path}: vocabulary file not found") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 at byte {exc.start}") from None
+        raise InputError(f"{path}: not UTF-8 at byte {exc.start}") from None
     return [line for line in text.split("\n") if line and line != MAX_TERM_ID]
 
 
 def write_vocab_file(tokens: Iterable[str], path: str | Path) -> None:
     """Write atomically (temp file, then rename), so a reader never sees half a vocabulary."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_write(path) as f:
         for token in tokens:
             if "\n" in token:
-                raise ConfigError(f"token {token!r} contains a newline and cannot be written to {path}")
+                raise InputError(f"token {token!r} contains a newline and cannot be written to {path}")
             f.write(token + "\n")
-    os.replace(tmp, path)
 
 
 def check_training_vocab(tokens: list[str], source: str) -> None:
     """bilm-tf training needs ``<S>``, ``</S>``, ``<UNK>`` first (the sampler assumes id order = frequency)."""
-    if tokens[:3] != [BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]:
+    if tuple(tokens[:3]) != SPECIAL_TOKENS:
         raise ConfigError(f"{source}: a training vocabulary must start with <S>, </S>, <UNK>; found {tokens[:3]}")
 
 
@@ -67,21 +67,21 @@ GROUP BY token
 """
 BUILD_VOCAB = """
 CREATE OR REPLACE TABLE vocab AS
-WITH specials(id, token) AS (VALUES (0, '<S>'), (1, '</S>'), (2, '<UNK>')),
+WITH specials(id, token) AS (VALUES ($bos_id, $bos), ($eos_id, $eos), ($unk_id, $unk)),
 ranked AS (
     SELECT token, count FROM token_counts
-    WHERE count >= $min_count AND token NOT IN ('<S>', '</S>', '<UNK>')
+    WHERE count >= $min_count AND token NOT IN ($bos, $eos, $unk)
     ORDER BY count DESC, token ASC
     LIMIT $max_words
 )
-SELECT s.id, s.token, CASE s.id WHEN 2 THEN 0 ELSE (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train') END::BIGINT AS count
+SELECT s.id, s.token, CASE s.id WHEN $unk_id THEN 0 ELSE (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train') END::BIGINT AS count
 FROM specials s
 UNION ALL
 SELECT (row_number() OVER (ORDER BY count DESC, token ASC) + 2)::INTEGER AS id, token, count FROM ranked
 ORDER BY id
 """
 SET_UNK_COUNT = """
-UPDATE vocab SET count = (SELECT coalesce(sum(c.count), 0) FROM token_counts c ANTI JOIN vocab v USING (token)) WHERE id = 2
+UPDATE vocab SET count = (SELECT coalesce(sum(c.count), 0) FROM token_counts c ANTI JOIN vocab v USING (token)) WHERE id = $unk_id
 """
 IMPORT_VOCAB = """
 CREATE OR REPLACE TABLE vocab AS
@@ -108,20 +108,6 @@ INSERT_CHAR_IDS = "INSERT INTO char_ids SELECT id, token, chars::INTEGER[50] FRO
 SELECT_VOCAB = "SELECT token FROM vocab ORDER BY id"
 
 
-class VocabConfig(BaseModel):
-    """Options of ``elmo vocab``; the Prefect flow takes the same object."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    corpus: str = Field(description="an ingested dataset folder (part-*.parquet)")
-    db: str = Field(description="DuckDB file to write (vocab, char_ids, token_counts, corpus_stats)")
-    min_count: int = Field(1, ge=1, description="drop words seen fewer times in the train split")
-    max_size: int | None = Field(None, gt=3, description="at most this many entries, specials included")
-    vocab_file: str | None = Field(None, description="import this vocab.txt instead (fine-tuning keeps its vocab)")
-    memory_limit: str = Field("4GB", description="DuckDB memory limit")
-    token_ids: bool = Field(True, description="also write token ids per split (what the trainer streams)")
-
-
 def _connect(db: str | Path, memory_limit: str) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(str(db))
     con.execute("SET memory_limit = ?", [memory_limit])
@@ -132,45 +118,46 @@ def _connect(db: str | Path, memory_limit: str) -> duckdb.DuckDBPyConnection:
 
 def build_vocab(config: VocabConfig) -> dict[str, float]:
     """Count, rank and store the vocabulary and char ids; export vocab.txt beside the DB. Returns corpus_stats."""
-    from elmo_core.ingest import shard_paths
-
     shards = [str(p) for p in shard_paths(config.corpus)]
     if not shards:
-        raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
+        raise InputError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
     db = Path(config.db)
     db.parent.mkdir(parents=True, exist_ok=True)
-    con = _connect(db, config.memory_limit)
-    try:
-        con.execute(COUNT_TOKENS, {"shards": shards})
-        if config.vocab_file:
-            tokens = read_vocab_file(config.vocab_file)
-            check_training_vocab(tokens, config.vocab_file)
-            imported = pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens})
-            con.register("imported", imported)
-            con.execute(IMPORT_VOCAB)
-            con.unregister("imported")
-        else:
-            max_words = (config.max_size - 3) if config.max_size else 2**62
-            con.execute(BUILD_VOCAB, {"shards": shards, "min_count": config.min_count, "max_words": max_words})
-        con.execute(SET_UNK_COUNT)
-        _store_char_ids(con)
-        con.execute(CORPUS_STATS, {"shards": shards})
-        vocab = [row[0] for row in con.execute(SELECT_VOCAB).fetchall()]
-        stats_row = con.execute("SELECT * FROM corpus_stats").fetchone()
-        names = [d[0] for d in con.description]  # type: ignore[union-attr]
-    finally:
-        con.close()
-    write_vocab_file(vocab, db.with_name("vocab.txt"))
-    stats = dict(zip(names, stats_row))  # type: ignore[arg-type]
-    if config.token_ids:
-        write_token_ids(shards, vocab, db.parent / "token_ids")
-    return stats
+    specials = {"bos_id": BOS_ID, "bos": BOS_TOKEN, "eos_id": EOS_ID, "eos": EOS_TOKEN, "unk_id": UNK_ID, "unk": UNK_TOKEN}
+    # steps: count, rank, char ids + stats, then one per shard converted to token ids
+    with track("vocab", 3 + (len(shards) if config.token_ids else 0), "steps") as progress:
+        con = _connect(db, config.memory_limit)
+        try:
+            con.execute(COUNT_TOKENS, {"shards": shards})
+            progress.advance(1, "counted")
+            if config.vocab_file:
+                tokens = read_vocab_file(config.vocab_file)
+                check_training_vocab(tokens, config.vocab_file)
+                imported = pa.table({"id": pa.array(range(len(tokens)), pa.int32()), "token": tokens})
+                con.register("imported", imported)
+                con.execute(IMPORT_VOCAB)
+                con.unregister("imported")
+            else:
+                max_words = (config.max_size - len(SPECIAL_TOKENS)) if config.max_size else 2**62
+                con.execute(BUILD_VOCAB, {"shards": shards, "min_count": config.min_count, "max_words": max_words, **specials})
+            con.execute(SET_UNK_COUNT, {"unk_id": UNK_ID})
+            progress.advance(1, "ranked")
+            _store_char_ids(con)
+            con.execute(CORPUS_STATS, {"shards": shards})
+            vocab = [row[0] for row in con.execute(SELECT_VOCAB).fetchall()]
+            stats_row = con.execute("SELECT * FROM corpus_stats").fetchone()
+            names = [d[0] for d in con.description]  # type: ignore[union-attr]
+        finally:
+            con.close()
+        write_vocab_file(vocab, db.with_name("vocab.txt"))
+        progress.advance(1, f"{len(vocab):,} entries")
+        if config.token_ids:
+            write_token_ids(shards, vocab, db.parent / "token_ids", on_shard=lambda: progress.advance(1, "token ids"))
+    return dict(zip(names, stats_row))  # type: ignore[arg-type]
 
 
 def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
     """char_ids from elmo_core.chars (the one place the scheme lives), stored as INTEGER[50] rows."""
-    from elmo_core.chars import tokens_to_char_array
-
     rows = con.execute("SELECT id, token FROM vocab ORDER BY id").fetchall()
     ids = [r[0] for r in rows]
     tokens = [r[1] for r in rows]
@@ -188,37 +175,44 @@ def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
 TOKEN_IDS_SCHEMA = pa.schema([("sentence_id", pa.string()), ("tokens", pa.list_(pa.string())), ("ids", pa.list_(pa.int32()))])
 
 
-def write_token_ids(shards: list[str], vocab: list[str], out: Path, unk_id: int = 2) -> None:
+def write_token_ids(shards: list[str], vocab: list[str], out: Path, on_shard: Callable[[], None] | None = None) -> None:
     """``out/{train,heldout}/part-*.parquet``: each sentence's vocab ids (``<UNK>`` for OOV) beside its tokens.
 
     The tokens stay because the model always reads characters, OOV words included; the ids are the softmax
-    targets. Lookups are Arrow's hash ``index_in``, streamed one row group at a time.
+    targets. Lookups are Arrow's hash ``index_in``, streamed one row group at a time. ``out/_VOCAB_SHA256``
+    names the vocabulary the ids belong to; ids of another vocabulary are deleted first.
     """
     value_set = pa.array(vocab, pa.string())
     fingerprint = hashlib.sha256("\n".join(vocab).encode()).hexdigest()
-    marker = out / "VOCAB_SHA256"
+    marker = out / "_VOCAB_SHA256"
     if out.exists() and (not marker.exists() or marker.read_text().strip() != fingerprint):
         shutil.rmtree(out)  # ids of another vocabulary
     for split in ("train", "heldout"):
         (out / split).mkdir(parents=True, exist_ok=True)
-    marker.write_text(fingerprint + "\n")
+    write_text_atomic(marker, fingerprint + "\n")
     for shard in shards:
         name = Path(shard).name
         targets = {split: out / split / name for split in ("train", "heldout")}
-        if all(t.exists() for t in targets.values()):
-            continue  # already converted (shards never change once written)
-        writers = {split: pq.ParquetWriter(str(t) + ".tmp", TOKEN_IDS_SCHEMA, compression="zstd") for split, t in targets.items()}
+        if not all(t.exists() for t in targets.values()):  # else already converted (shards never change once written)
+            _write_shard_ids(shard, value_set, targets)
+        if on_shard is not None:
+            on_shard()
+
+
+def _write_shard_ids(shard: str, value_set: pa.Array, targets: dict[str, Path]) -> None:
+    with ExitStack() as stack:
+        writers = {split: pq.ParquetWriter(stack.enter_context(atomic_path(t)), TOKEN_IDS_SCHEMA, compression="zstd")
+                   for split, t in targets.items()}
         pf = pq.ParquetFile(shard)
         for i in range(pf.num_row_groups):
             group = pf.read_row_group(i, columns=["sentence_id", "tokens", "split"])
             tokens = group.column("tokens").combine_chunks()
-            ids = pc.fill_null(pc.index_in(tokens.flatten(), value_set=value_set), unk_id).cast(pa.int32())
+            ids = pc.fill_null(pc.index_in(tokens.flatten(), value_set=value_set), UNK_ID).cast(pa.int32())
             id_lists = pa.ListArray.from_arrays(tokens.offsets, ids)
             table = pa.table({"sentence_id": group.column("sentence_id"), "tokens": tokens, "ids": id_lists}, schema=TOKEN_IDS_SCHEMA)
             for split, writer in writers.items():
                 part = table.filter(pc.equal(group.column("split"), split))
                 if part.num_rows:
                     writer.write_table(part)
-        for split, writer in writers.items():
-            writer.close()
-            os.replace(str(targets[split]) + ".tmp", targets[split])
+        for writer in writers.values():
+            writer.close()  # before atomic_path renames the files

@@ -1,4 +1,4 @@
-"""bilm-tf / AllenNLP weight files: ``weights.hdf5`` ⇄ ``BiLM.state_dict()``, one function per direction.
+"""bilm-tf / AllenNLP weight files: ``weights.hdf5`` ⇄ a ``BiLM`` state dict, one function per direction.
 
 The HDF5 file is flat: float32 datasets named after the TF variables (``docs/elmo-format.md`` §3). Every
 TensorFlow convention is converted here and nowhere else:
@@ -8,12 +8,13 @@ TensorFlow convention is converted here and nowhere else:
 * dense kernels are ``x @ W`` (in × out); ``nn.Linear`` stores ``W.T``.
 * LSTM ``W_0`` is ``[input rows; recurrent rows] × 4H`` with gate blocks **i, j, f, o**; PyTorch splits it into
   ``weight_ih``/``weight_hh`` with blocks **i, f, g(=j), o**. ``B`` lacks TF's run-time forget-gate +1, which
-  the model keeps in the frozen ``bias_hh`` (so load → save is bit-exact). ``W_P_0`` (H × P) is ``weight_hr.T``.
+  the state dict keeps in the (frozen) ``bias_hh``, so load → save is bit-exact. ``W_P_0`` (H × P) is ``weight_hr.T``.
+
+Only the ``ModelConfig`` and the state-dict key names are needed here: this module never builds a model.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import h5py
@@ -22,7 +23,7 @@ import torch
 
 from elmo_core.config import ModelConfig, read_options, write_options
 from elmo_core.errors import WeightFileError
-from elmo_core.model import BiLM, _forget_gate_one
+from elmo_core.fileio import atomic_path
 from elmo_core.vocab import read_vocab_file, write_vocab_file
 
 OPTIONS_NAME = "options.json"
@@ -39,6 +40,19 @@ def _lstm_prefix(direction: int, layer: int) -> str:
 def _reorder_gates(x: np.ndarray, axis: int) -> np.ndarray:
     blocks = np.split(x, 4, axis=axis)
     return np.concatenate([blocks[i] for i in _GATES_TF_TO_TORCH], axis=axis)
+
+
+def forget_gate_bias(hidden: int) -> torch.Tensor:
+    """TensorFlow's constant +1 on the forget gate, as a bias vector in PyTorch gate order (i, f, g, o)."""
+    one = torch.zeros(4 * hidden)
+    one[hidden : 2 * hidden] = 1.0
+    return one
+
+
+def _lstm_keys(config: ModelConfig) -> list[tuple[int, int, str]]:
+    """(direction, layer, state-dict prefix) of every LSTM, in the order bilm-tf numbers them."""
+    return [(d, layer, f"lstm.{side}_layers.{layer}") for d, side in enumerate(("forward", "backward"))
+            for layer in range(config.lstm.n_layers)]
 
 
 class _Reader:
@@ -64,7 +78,7 @@ class _Reader:
 
 
 def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A ``BiLM`` state dict from a bilm-tf ``weights.hdf5``; softmax included when the file has it."""
+    """A complete ``BiLM`` state dict for ``config`` from a bilm-tf ``weights.hdf5`` (softmax when the file has it)."""
     path = str(path)
     cnn, lstm = config.char_cnn, config.lstm
     d_c, n_filters, p, h = cnn.embedding.dim, cnn.n_filters, lstm.projection_dim, lstm.dim
@@ -90,23 +104,20 @@ def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tenso
             why = f"{n_filters} filters → projection_dim {p}"
             state["token_encoder.projection.weight"] = torch.from_numpy(np.ascontiguousarray(r.get("CNN_proj/W_proj", (n_filters, p), why).T))
             state["token_encoder.projection.bias"] = torch.from_numpy(r.get("CNN_proj/b_proj", (p,), why))
-        for direction, side in enumerate(("forward", "backward")):
-            for layer in range(lstm.n_layers):
-                prefix = _lstm_prefix(direction, layer)
-                # bilm-tf's 1-layer training graph has no MultiRNNCell; accept its dumped names too
-                alias = f"RNN_{direction}/RNN/LSTMCell" if lstm.n_layers == 1 else None
-                why = f"lstm layer {layer}: input {p} + recurrent {p} rows, 4 × dim {h} columns"
-                w0 = _reorder_gates(r.get(f"{prefix}/W_0", (2 * p, 4 * h), why, (f"{alias}/W_0",) if alias else ()), axis=1)
-                b = _reorder_gates(r.get(f"{prefix}/B", (4 * h,), why, (f"{alias}/B",) if alias else ()), axis=0)
-                key = f"lstm.{side}_layers.{layer}"
-                state[f"{key}.weight_ih_l0"] = torch.from_numpy(np.ascontiguousarray(w0[:p].T))
-                state[f"{key}.weight_hh_l0"] = torch.from_numpy(np.ascontiguousarray(w0[p:].T))
-                state[f"{key}.bias_ih_l0"] = torch.from_numpy(b)
-                state[f"{key}.bias_hh_l0"] = torch.zeros(4 * h)  # replaced by the forget +1 in load_state_dict
-                if p < h:
-                    why_p = f"projection dim {h} → {p}"
-                    wp = r.get(f"{prefix}/W_P_0", (h, p), why_p, (f"{alias}/W_P_0",) if alias else ())
-                    state[f"{key}.weight_hr_l0"] = torch.from_numpy(np.ascontiguousarray(wp.T))
+        for direction, layer, key in _lstm_keys(config):
+            prefix = _lstm_prefix(direction, layer)
+            # bilm-tf's 1-layer training graph has no MultiRNNCell; accept its dumped names too
+            alias = (f"RNN_{direction}/RNN/LSTMCell",) if lstm.n_layers == 1 else ()
+            why = f"lstm layer {layer}: input {p} + recurrent {p} rows, 4 × dim {h} columns"
+            w0 = _reorder_gates(r.get(f"{prefix}/W_0", (2 * p, 4 * h), why, tuple(f"{a}/W_0" for a in alias)), axis=1)
+            b = _reorder_gates(r.get(f"{prefix}/B", (4 * h,), why, tuple(f"{a}/B" for a in alias)), axis=0)
+            state[f"{key}.weight_ih_l0"] = torch.from_numpy(np.ascontiguousarray(w0[:p].T))
+            state[f"{key}.weight_hh_l0"] = torch.from_numpy(np.ascontiguousarray(w0[p:].T))
+            state[f"{key}.bias_ih_l0"] = torch.from_numpy(b)
+            state[f"{key}.bias_hh_l0"] = forget_gate_bias(h)  # TF adds it at run time; the model keeps it here
+            if p < h:
+                wp = r.get(f"{prefix}/W_P_0", (h, p), f"projection dim {h} → {p}", tuple(f"{a}/W_P_0" for a in alias))
+                state[f"{key}.weight_hr_l0"] = torch.from_numpy(np.ascontiguousarray(wp.T))
         if config.n_tokens_vocab is not None or r.has("softmax/W"):
             rows = config.n_tokens_vocab or f["softmax/W"].shape[0]
             why = f"softmax over {rows} vocabulary tokens × projection_dim {p}"
@@ -130,23 +141,11 @@ def softmax_rows(path: str | Path) -> int | None:
         return int(f["softmax/W"].shape[0]) if "softmax/W" in f else None
 
 
-def load_state(model: BiLM, state: dict[str, torch.Tensor]) -> None:
-    """Load a state dict read by ``read_weights``, keeping the frozen forget-gate +1 in each ``bias_hh``."""
-    for lstm_name, lstm in model.named_modules():
-        if isinstance(lstm, torch.nn.LSTM):
-            state[f"{lstm_name}.bias_hh_l0"] = _forget_gate_one(lstm)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise WeightFileError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
-
-
-def write_weights(model: BiLM, path: str | Path) -> None:
+def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
     """Write bilm-tf's ``weights.hdf5`` layout (plus ``softmax/W``, ``softmax/b`` when present), atomically."""
-    path = Path(path)
-    cfg = model.config
-    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
+    cfg = config
+    sd = {k: v.detach().float().cpu().numpy() for k, v in state_dict.items()}
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
 
         def put(name: str, value: np.ndarray) -> None:
             f.create_dataset(name, data=np.ascontiguousarray(value, dtype=np.float32))
@@ -159,28 +158,29 @@ def write_weights(model: BiLM, path: str | Path) -> None:
             for name in ("carry", "transform"):
                 put(f"CNN_high_{k}/W_{name}", sd[f"token_encoder.highways.{k}.{name}.weight"].T)
                 put(f"CNN_high_{k}/b_{name}", sd[f"token_encoder.highways.{k}.{name}.bias"])
-        if model.token_encoder.projection is not None:
+        if "token_encoder.projection.weight" in sd:
             put("CNN_proj/W_proj", sd["token_encoder.projection.weight"].T)
             put("CNN_proj/b_proj", sd["token_encoder.projection.bias"])
-        for direction, side in enumerate(("forward", "backward")):
-            for layer, lstm in enumerate(getattr(model.lstm, f"{side}_layers")):
-                key, prefix = f"lstm.{side}_layers.{layer}", _lstm_prefix(direction, layer)
-                w0 = np.concatenate([sd[f"{key}.weight_ih_l0"], sd[f"{key}.weight_hh_l0"]], axis=1).T
-                bias = sd[f"{key}.bias_ih_l0"]
-                extra = sd[f"{key}.bias_hh_l0"] - _forget_gate_one(lstm).numpy()
-                if extra.any():  # trained models may have moved bias_hh; fold it in (never adds -0.0 to 0.0)
-                    bias = bias + extra
-                put(f"{prefix}/W_0", _reorder_gates(w0, axis=1))
-                put(f"{prefix}/B", _reorder_gates(bias, axis=0))
-                if lstm.proj_size > 0:
-                    put(f"{prefix}/W_P_0", sd[f"{key}.weight_hr_l0"].T)
-        if model.softmax is not None:
+        forget = forget_gate_bias(cfg.lstm.dim).numpy()
+        for direction, layer, key in _lstm_keys(cfg):
+            prefix = _lstm_prefix(direction, layer)
+            w0 = np.concatenate([sd[f"{key}.weight_ih_l0"], sd[f"{key}.weight_hh_l0"]], axis=1).T
+            bias = sd[f"{key}.bias_ih_l0"]
+            extra = sd[f"{key}.bias_hh_l0"] - forget
+            if extra.any():  # trained models may have moved bias_hh; fold it in (never adds -0.0 to 0.0)
+                bias = bias + extra
+            put(f"{prefix}/W_0", _reorder_gates(w0, axis=1))
+            put(f"{prefix}/B", _reorder_gates(bias, axis=0))
+            if f"{key}.weight_hr_l0" in sd:
+                put(f"{prefix}/W_P_0", sd[f"{key}.weight_hr_l0"].T)
+        if "softmax.weight" in sd:
             put("softmax/W", sd["softmax.weight"])
             put("softmax/b", sd["softmax.bias"])
-    os.replace(tmp, path)
 
 
-def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | None, vocab_file: str | Path | None) -> tuple[Path, Path, Path | None]:
+def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | None = None,
+                        vocab_file: str | Path | None = None) -> tuple[Path, Path, Path | None]:
+    """(options.json, weights.hdf5, vocab.txt or None) of a model directory, or of the files named."""
     source = Path(options_or_dir)
     if source.is_dir():
         options = source / OPTIONS_NAME
@@ -196,8 +196,9 @@ def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | No
     return options, Path(weight_file), Path(vocab_file) if vocab_file is not None else None
 
 
-def load_pretrained(options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None) -> BiLM:
-    """A ``BiLM`` from ``options.json`` + ``weights.hdf5`` (or a directory holding them, + ``vocab.txt``)."""
+def read_model_files(options_or_dir: str | Path, weight_file: str | Path | None = None,
+                     vocab_file: str | Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str] | None]:
+    """(config, state dict, vocabulary or None) of ``options.json`` + ``weights.hdf5`` (+ ``vocab.txt``)."""
     options_path, weight_path, vocab_path = resolve_model_files(options_or_dir, weight_file, vocab_file)
     config = read_options(options_path)
     if not weight_path.exists():
@@ -207,15 +208,15 @@ def load_pretrained(options_or_dir: str | Path, weight_file: str | Path | None =
         if rows is not None:
             config = config.model_copy(update={"n_tokens_vocab": rows})
     vocab = read_vocab_file(vocab_path) if vocab_path is not None else None
-    model = BiLM(config, vocab=vocab)
-    load_state(model, read_weights(weight_path, config))
-    return model
+    return config, read_weights(weight_path, config), vocab
 
 
-def save_pretrained(model: BiLM, directory: str | Path) -> None:
+def write_model_files(directory: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                      vocab: list[str] | None = None) -> None:
+    """options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write_options(model.config, directory / OPTIONS_NAME)
-    write_weights(model, directory / WEIGHTS_NAME)
-    if model.vocab is not None:
-        write_vocab_file(model.vocab, directory / VOCAB_NAME)
+    write_options(config, directory / OPTIONS_NAME)
+    write_weights(config, state_dict, directory / WEIGHTS_NAME)
+    if vocab is not None:
+        write_vocab_file(vocab, directory / VOCAB_NAME)

@@ -1,22 +1,121 @@
-"""Shared bits of the flows: environment defaults (set before Prefect is imported) and input fingerprints."""
+"""Shared bits of the flows: environment defaults (set before Prefect is imported), progress in the Prefect UI,
+one-line failures, and input fingerprints."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 # Telemetry off; elmo_core's log lines go to the Prefect run logs.
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "elmo_core")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # elmo_core also logs outside runs
 # a busy 2-core machine can need more than the default 20 s to start the ephemeral API server
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+from prefect import get_run_logger  # noqa: E402  (after the environment defaults)
+from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
+
+from elmo_core.errors import ElmoError  # noqa: E402
+from elmo_core.progress import add_sink, track  # noqa: E402
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+logging.getLogger("elmo_core").setLevel(logging.INFO)  # its INFO lines (not only warnings) reach the run logs
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PrefectProgress:
+    """A stage's progress in the Prefect UI: a progress artifact per stage, updated as it goes, and a run-log
+    line about every 10% or 60 s (with the ETA)."""
+
+    def __init__(self) -> None:
+        self.logger = get_run_logger()
+        self.artifacts: dict[str, Any] = {}
+        self.last: dict[str, tuple[float, float]] = {}  # name → (time, share) of the last report
+
+    def begin(self, name: str, total: float | None, unit: str) -> None:
+        self.artifacts[name] = create_progress_artifact(0.0, key=f"{name}-progress", description=f"{name}: {unit} done of the stage")
+        self.last[name] = (time.monotonic(), 0.0)
+        self.logger.info("%s: started (%s %s)", name, f"{total:,.0f}" if total else "?", unit)
+
+    def update(self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str) -> None:
+        share = 100.0 * done / total if total else 0.0
+        then, last_share = self.last.get(name, (0.0, 0.0))
+        now = time.monotonic()
+        if name in self.artifacts and (share - last_share >= 2.0 or now - then >= 10.0):
+            update_progress_artifact(self.artifacts[name], min(share, 100.0))
+        if share - last_share >= 10.0 or now - then >= 60.0:
+            self.last[name] = (now, share)
+            eta = f", ETA {int(eta_s) // 60}:{int(eta_s) % 60:02d}" if eta_s is not None else ""
+            self.logger.info("%s: %s/%s %s (%.0f%%)%s%s", name, f"{done:,.0f}", f"{total:,.0f}" if total else "?", unit,
+                             share, eta, f", {info}" if info else "")
+
+    def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None:
+        if name in self.artifacts:
+            update_progress_artifact(self.artifacts.pop(name), 100.0)
+        self.logger.info("%s: %s %s in %.0f s", name, f"{done:,.0f}", unit, seconds)
+
+
+@contextmanager
+def reporting() -> Iterator[None]:
+    """Inside a task or flow: elmo_core's progress also goes to the Prefect UI."""
+    with add_sink(PrefectProgress()):
+        yield
+
+
+def stage(fn: F) -> F:
+    """Run a task body with its progress in the Prefect UI."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with reporting():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class _UserErrorsOnce(logging.Filter):
+    """Prefect logs a failing run's exception with its traceback, and then the run's final state with the message.
+    For an ``ElmoError`` (a user error whose message says what to fix) only the state line is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ElmoError))
+
+
+for _logger in ("prefect.task_runs", "prefect.flow_runs"):
+    logging.getLogger(_logger).addFilter(_UserErrorsOnce())
+
+
+def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Retries are for passing trouble (a busy disk, a flaky store), not for input that is wrong."""
+    return not isinstance(state.result(raise_on_failure=False), ElmoError)
+
+
+def run_main(flow_fn: Callable[..., Any], *args: Any) -> None:
+    """Run a flow as a script: its summary on success; on failure its reason in one line and exit status 1."""
+    import sys
+
+    state = flow_fn(*args, return_state=True)
+    if state.is_failed() or state.is_crashed():
+        print(f"{flow_fn.name}: failed: {state.message}", file=sys.stderr)
+        sys.exit(1)
+
+
+@contextmanager
+def progress_over(name: str, total: float, unit: str) -> Iterator[Any]:
+    """``track`` with the Prefect sink, for progress a flow measures itself (units finished by workers)."""
+    with reporting(), track(name, total, unit) as progress:
+        yield progress
 
 
 def fingerprint_files(paths: Iterable[Path], extra: Any = None) -> str:

@@ -1,13 +1,16 @@
-"""The ``embed`` flow: a corpus into contextual vectors, one Prefect task per input row group.
+"""The ``embed`` flow: a corpus into contextual vectors, one Prefect task per unit of work (about
+``unit_tokens`` tokens of one input row group).
 
-    prefect deployment run embed/embed --params '{"config": {"model": "models:/elmo/1", "input": "data/ingest", "out": "data/embed"}}'
+    prefect deployment run embed/embed --params '{"config": {"model": "models:/elmo/latest", "input": "data/ingest", "out": "data/embed"}}'
 
-Units are independent; with ``run_on_dask`` (prefect-dask) they spread over a Dask cluster's workers.
+Units are independent; with ``run_on_dask`` (prefect-dask) they spread over a Dask cluster's workers. The flow's
+progress artifact counts the tokens of finished units.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,60 +18,73 @@ from typing import Any
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
+from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from elmo_core.embed import EmbedConfig, Embedder, Unit, UnitResult, prepare, write_manifest
+from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, prepare
+from flows.common import progress_over, retry_unless_user_error, run_main, stage
 
 _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
 
 
-@task(retries=2, retry_delay_seconds=5)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@stage
 def prepare_embedding(config: EmbedConfig) -> dict[str, Any]:
-    """Resolve the model (MLflow URIs too), ingest text input, and list the units of work."""
-    model_dir, units, corpus = prepare(config)
-    return {"model_dir": str(model_dir), "corpus": str(corpus), "units": [asdict(u) for u in units]}
+    """Check the output folder, resolve the model (MLflow URIs too), tokenize text input, and plan the units."""
+    job = prepare(config)
+    return {"model_dir": str(job.model_dir), "target": str(job.target), "work": str(job.work),
+            "units": [asdict(u) for u in job.units]}
 
 
-@task(retries=2, retry_delay_seconds=5, tags=["elmo-embed-unit"])
-def embed_unit(config: EmbedConfig, model_dir: str, unit: dict[str, Any]) -> dict[str, Any]:
-    """One row group in, one Parquet file out (skipped if already written)."""
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, tags=["elmo-embed-unit"])
+def embed_unit(config: EmbedConfig, model_dir: str, target: str, unit: dict[str, Any]) -> dict[str, Any]:
+    """One unit in, one Parquet file out (skipped if already written)."""
     key = config.model_dump_json() + model_dir
     if key not in _EMBEDDERS:
         _EMBEDDERS[key] = Embedder(config, Path(model_dir))
-    return {**asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(config.out))), "pid": os.getpid()}
+    return {**asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(target))), "pid": os.getpid()}
 
 
-@task(retries=2, retry_delay_seconds=5)
-def finish_embedding(config: EmbedConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
-    manifest = write_manifest(Path(config.out), [UnitResult(**{k: v for k, v in r.items() if k != "pid"}) for r in results])
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@stage
+def finish_embedding(config: EmbedConfig, prepared: dict[str, Any], results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    job = Job(config, Path(prepared["model_dir"]), [Unit(**u) for u in prepared["units"]], Path(prepared["target"]),
+              Path(config.out), Path(prepared["work"]))
+    summary = finish(job, [UnitResult(**{k: v for k, v in r.items() if k != "pid"}) for r in results], seconds)
     out = Path(config.out).resolve()
-    column = "elmo" if config.layers == "mix" else "layer_2"
+    column = "elmo" if config.layers == "mix" else "layer_1"
     query = (
-        f"CREATE VIEW emb AS SELECT * FROM read_parquet('{out}/part-*.parquet');\n"
-        f"SELECT token, text, list_cosine_similarity({column}, (SELECT {column} FROM emb WHERE token = 'apples' LIMIT 1)) AS sim\n"
-        f"FROM emb WHERE lower(token) LIKE 'apple%' ORDER BY sim DESC LIMIT 5;"
-    ) if config.pool == "none" else f"SELECT sentence_id, text FROM read_parquet('{out}/part-*.parquet') LIMIT 5;"
+        f"CREATE VIEW emb AS SELECT * FROM read_parquet('{out}/*.parquet');\n"
+        f"SELECT token, text, list_cosine_similarity({column}, (SELECT {column} FROM emb LIMIT 1)) AS similarity\n"
+        f"FROM emb ORDER BY similarity DESC LIMIT 5;"
+    ) if config.pool == "none" else f"SELECT sentence_id, text FROM read_parquet('{out}/*.parquet') LIMIT 5;"
     create_markdown_artifact(
         key="embedding-table",
-        markdown=f"## Embedding table\n\n`{out}` — {manifest['rows']:,} rows in {manifest['files']} files.\n\n"
-        f"Try it in the `duckdb` shell:\n\n```sql\n{query}\n```\n",
+        markdown=f"## Embedding table\n\n`{out}`: {summary.rows:,} rows in {summary.units} files "
+        f"({summary.units_done_before} done by an earlier run).\n\n{summary.line()}\n\n"
+        f"Read it with pandas/pyarrow (`pd.read_parquet('{out}')`) or in the `duckdb` shell:\n\n```sql\n{query}\n```\n",
         description="Where the vectors are, and a DuckDB query to try",
     )
-    return {"out": str(out), "rows": manifest["rows"], "files": manifest["files"], "query": query,
+    return {"out": str(out), "rows": summary.rows, "files": summary.units, "query": query, "line": summary.line(),
             "worker_processes": len({r["pid"] for r in results})}
 
 
 @flow(name="embed", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     """Embed ``config.input`` with ``config.model`` into ``config.out`` (resumable; a rerun does only what is missing)."""
-    logger = get_run_logger()
+    started = time.perf_counter()
     prepared = prepare_embedding(config)
     units = prepared["units"]
-    logger.info("%d units to embed with %s", len(units), prepared["model_dir"])
-    futures = embed_unit.map(unmapped(config), unmapped(prepared["model_dir"]), units)
+    get_run_logger().info("%d units to embed with %s", len(units), prepared["model_dir"])
+    futures = embed_unit.map(unmapped(config), unmapped(prepared["model_dir"]), unmapped(prepared["target"]), units)
+    tokens = {Unit(**u).name: u["tokens"] for u in units}
+    with progress_over("embed", sum(tokens.values()), "tokens") as progress:
+        for future in as_completed(futures):
+            done = future.result()
+            progress.advance(tokens[done["name"]], f"{done['name']}: {done['seconds']:.1f} s")
     results = [f.result() for f in futures]
-    summary = finish_embedding(config, results)
-    print(f"embed: {summary['rows']:,} rows -> {summary['out']}")
+    summary = finish_embedding(config, prepared, results, time.perf_counter() - started)
+    print(summary["line"])
     return summary
 
 
@@ -84,4 +100,4 @@ def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int 
 if __name__ == "__main__":
     import sys
 
-    embed_flow(EmbedConfig.model_validate_json(sys.argv[1]))
+    run_main(embed_flow, EmbedConfig.model_validate_json(sys.argv[1]))

@@ -1,10 +1,12 @@
-"""The ``elmo`` flow (deployed as ``train``): ingest → vocab → train → export → evaluate → embed the probes.
+"""The ``elmo`` flow (deployed as ``train``): ingest → vocab → train → export → evaluate → embed the probe sentences.
 
     python -m flows.pipeline                        # the main job: default corpus, local Prefect and MLflow
     prefect deployment run elmo/train --params '{"params": {"sources": ["/corpus"], "train": {"preset": "small"}}}'
 
-Each stage is one call into elmo_core. A stage writes ``_stage.json`` (its input fingerprint and result) into its
-folder; a rerun with the same inputs skips the work, and from then on Prefect serves it from its cache.
+Each stage is one call into elmo_core, configured by that stage's options model (``elmo_core.options``); the
+flow's parameters hold those models, and a stage's options given as a dict are laid over the main job's
+defaults. A stage writes ``_stage.json`` (its input fingerprint and result) into its folder; a rerun with the same
+inputs skips the work, and from then on Prefect serves it from its cache.
 """
 
 from __future__ import annotations
@@ -14,79 +16,55 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from elmo_core.config import ModelConfig
 from elmo_core.corpus import write_default_corpus
-from elmo_core.embed import EmbedConfig
-from elmo_core.ingest import IngestConfig, find_inputs, ingest
-from elmo_core.train import TrainConfig, evaluate, export_checkpoint, train
-from elmo_core.vocab import VocabConfig, build_vocab
-from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link
+from elmo_core.errors import InputError
+from elmo_core.fileio import write_text_atomic
+from elmo_core.ingest import dataset_options, find_inputs, ingest
+from elmo_core.options import (CPU_TRAIN_OPTIONS, DATASET_OPTIONS, EmbedConfig, EmbedOptions, IngestConfig, IngestOptions,
+                               TrainConfig, TrainOptions, VocabConfig, VocabOptions)
+from elmo_core.train import evaluate, export_checkpoint, train
+from elmo_core.vocab import build_vocab
+from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link, retry_unless_user_error, run_main, stage
 from flows.embed import embed_flow
 
-# The main job's model: small enough to train in minutes on 2 CPU cores, big enough to learn the corpus.
-DEFAULT_MODEL = ModelConfig.model_validate({
-    "char_cnn": {"embedding": {"dim": 8}, "filters": [[1, 16], [2, 32], [3, 64], [4, 128]], "n_highway": 1},
-    "lstm": {"dim": 256, "projection_dim": 64, "n_layers": 2},
-})
-
-
-class TrainSettings(BaseModel):
-    """The training knobs a pipeline run exposes (TrainConfig's names); data/out come from the pipeline."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    preset: Literal["tiny", "small", "medium", "original"] | None = Field(None, description="a published size instead of `model`")
-    model: ModelConfig | None = Field(DEFAULT_MODEL, description="explicit architecture (default: a CPU-sized one)")
-    init_from: str | None = None
-    n_epochs: float = 10.0
-    max_steps: int | None = None
-    batch_size: int = 32
-    unroll_steps: int = 20
-    n_negative_samples_batch: int = 512
-    optimizer: Literal["adagrad", "adamw"] = "adagrad"
-    learning_rate: float = 0.2
-    dropout: float = 0.1
-    device: str = "auto"
-    seed: int = 0
-    tracking: Literal["mlflow", "none"] = "mlflow"
-    register_as: str | None = "elmo"
-
-    def to_config(self, data: Path, out: Path, tracking_uri: str | None) -> TrainConfig:
-        values = self.model_dump(exclude={"preset", "model"})
-        if self.preset:
-            values["preset"] = self.preset
-        else:
-            values["model"] = self.model
-        return TrainConfig(data=str(data), out=str(out), tracking_uri=tracking_uri, resume=True, log_every=20,
-                           checkpoint_every=200, **values)
+# The main job's defaults for the default corpus (prose paragraphs): the options a user's dict is laid over.
+MAIN_JOB_INGEST = IngestOptions(tokenizer="unicode", split_sentences=True, heldout_fraction=0.05)
+MAIN_JOB_VOCAB = VocabOptions(min_count=2)
+MAIN_JOB_EMBED = EmbedOptions(tokenizer="unicode")
 
 
 class PipelineParams(BaseModel):
-    """Parameters of the ``elmo`` flow: the CLI's ingest/vocab/train/embed options, one stage each."""
+    """Parameters of the ``elmo`` flow: where things are, and each stage's options."""
 
     model_config = ConfigDict(extra="forbid")
 
     sources: list[str] | None = Field(None, description="corpus files/folders/globs; default: Python's own pydoc topics")
     workdir: str = Field("data", description="where every stage writes (relative to the project root)")
-    tokenizer: Literal["whitespace", "unicode", "chinese"] = "unicode"
-    split_sentences: bool = True
-    text_field: str = "text"
-    text_column: str = "text"
-    heldout_fraction: float = 0.05
-    min_count: int = 2
-    max_vocab: int | None = None
     vocab_file: str | None = Field(None, description="keep this vocab.txt (fine-tuning)")
-    train: TrainSettings = TrainSettings()
-    probes: str | None = Field("data/probes/apple.txt", description="sentences to embed at the end")
-    tracking_uri: str | None = Field(None, description="MLflow store; default sqlite:///<workdir>/mlflow.db")
+    init_from: str | None = Field(None, description="fine-tune this model directory or MLflow model URI")
+    probes: str | None = Field("data/probes/apple.txt", description="sentences to embed at the end, into <workdir>/probe_vectors")
+    tracking_uri: str | None = Field(None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db")
+    ingest: IngestOptions = Field(MAIN_JOB_INGEST, description="ingest options (over MAIN_JOB_INGEST)")
+    vocab: VocabOptions = Field(MAIN_JOB_VOCAB, description="vocab options (over MAIN_JOB_VOCAB)")
+    train: TrainOptions = Field(CPU_TRAIN_OPTIONS, description="training options (over CPU_TRAIN_OPTIONS; a preset replaces its model)")
+    embed: EmbedOptions = Field(MAIN_JOB_EMBED, description="options of the probe sentences' embedding (over MAIN_JOB_EMBED)")
+
+    @field_validator("ingest", "vocab", "train", "embed", mode="before")
+    @classmethod
+    def _over_defaults(cls, value: Any, info: Any) -> Any:
+        """A dict of a few options is laid over the main job's defaults for that stage, not over the bare model's."""
+        if not isinstance(value, dict):
+            return value
+        default = cls.model_fields[info.field_name].default
+        return {**default.model_dump(exclude_unset=True), **value}
 
 
 def _absolute(path: str) -> Path:
@@ -102,13 +80,6 @@ def _stamp(directory: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _write_stamp(directory: Path, fingerprint: str, result: dict[str, Any]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "_stage.json.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "result": result}, indent=2, default=str) + "\n")
-    os.replace(tmp, directory / "_stage.json")
-
-
 def _run_stage(directory: Path, fingerprint: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Skip the work when the stage folder holds a stamp with the same input fingerprint."""
     stamp = _stamp(directory)
@@ -116,7 +87,8 @@ def _run_stage(directory: Path, fingerprint: str, work: Callable[[], dict[str, A
         get_run_logger().info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
         return stamp["result"]
     result = work()
-    _write_stamp(directory, fingerprint, result)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(directory / "_stage.json", json.dumps({"fingerprint": fingerprint, "result": result}, indent=2, default=str) + "\n")
     return result
 
 
@@ -136,19 +108,24 @@ def _stage_cache_key(directory_param: str, fingerprint_param: str) -> Callable[[
 # ----- tasks: one call into elmo_core each -----------------------------------------------------------------
 
 
-@task(retries=2, retry_delay_seconds=5)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def default_corpus(workdir: str) -> list[str]:
     path, paragraphs = write_default_corpus(Path(workdir) / "corpus" / "pydoc_topics.txt")
     get_run_logger().info("default corpus: %d paragraphs of Python's pydoc topics -> %s", paragraphs, path)
     return [str(path)]
 
 
-@task(retries=2, retry_delay_seconds=5, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
+        stored = dataset_options(out)
+        if stored is not None and stored != config.model_dump(include=set(DATASET_OPTIONS)):
+            get_run_logger().info("%s: ingest options changed; the dataset is made afresh", out)
+            shutil.rmtree(out)
         summary = ingest(config)
         if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
-            raise RuntimeError("; ".join(summary.errors))
+            raise InputError("no input could be ingested: " + "; ".join(summary.errors))
         return {"line": summary.line(), "sentences": summary.sentences, "tokens": summary.tokens, "duplicates": summary.duplicates,
                 "rejected_lines": summary.rejected_lines, "failed_files": summary.errors, "warnings": summary.warnings}
 
@@ -157,7 +134,8 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
     return result
 
 
-@task(retries=2, retry_delay_seconds=5, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
     result = _run_stage(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
     create_table_artifact(key="corpus-stats", table=[{"statistic": k, "value": v} for k, v in result.items()],
@@ -166,13 +144,14 @@ def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, An
 
 
 @task(cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@stage
 def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         started = Path(out) / "_started.json"
         if started.exists() and json.loads(started.read_text())["fingerprint"] != fingerprint:
             shutil.rmtree(out)  # checkpoints of another configuration: start this one afresh
         Path(out).mkdir(parents=True, exist_ok=True)
-        started.write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        write_text_atomic(started, json.dumps({"fingerprint": fingerprint}) + "\n")
         result = train(config)  # resume=True: an interrupted run with these inputs continues
         return {"steps": result.steps, "final_loss": result.final_loss, "perplexity": result.perplexity,
                 "model_dir": str(result.model_dir), "run_id": result.run_id, "model_uri": result.model_uri}
@@ -180,13 +159,14 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
     result = _run_stage(Path(out), fingerprint, work)
     link = mlflow_run_link(config.tracking_uri, result["run_id"]) if config.tracking == "mlflow" else None
     if link:
-        create_markdown_artifact(key="mlflow-run", markdown=f"## MLflow run\n\n[{result['run_id']}]({link}) — model `{result['model_uri']}`\n",
-                                 description="The training run in the MLflow UI")
+        create_markdown_artifact(key="mlflow-run", markdown=f"## MLflow run\n\n[{result['run_id']}]({link}): registered model "
+                                 f"`{result['model_uri']}`\n", description="The training run in the MLflow UI")
     result["mlflow_link"] = link
     return result
 
 
-@task(retries=2, retry_delay_seconds=5)
+@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@stage
 def export_stage(run_dir: str, out: str) -> str:
     step, checkpoint = export_checkpoint(run_dir, out)
     get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
@@ -194,6 +174,7 @@ def export_stage(run_dir: str, out: str) -> str:
 
 
 @task
+@stage
 def evaluate_stage(model_dir: str, heldout: str, unigram: float | None) -> dict[str, float]:
     from elmo_core import BiLM
 
@@ -217,15 +198,15 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     sources = [str(_absolute(s)) for s in params.sources] if params.sources else default_corpus(str(workdir))
 
     ingest_dir, vocab_dir, train_dir, export_dir = workdir / "ingest", workdir / "vocab", workdir / "train", workdir / "export"
-    ingest_config = IngestConfig(sources=sources, out=str(ingest_dir), tokenizer=params.tokenizer, split_sentences=params.split_sentences,
-                                 text_field=params.text_field, text_column=params.text_column, heldout_fraction=params.heldout_fraction)
+    ingest_config = IngestConfig(sources=sources, out=str(ingest_dir), **params.ingest.model_dump())
     ingested = ingest_stage(ingest_config, str(ingest_dir), fingerprint_files(find_inputs(sources), ingest_config.model_dump()))
 
-    vocab_config = VocabConfig(corpus=str(ingest_dir), db=str(vocab_dir / "vocab.duckdb"), min_count=params.min_count,
-                               max_size=params.max_vocab, vocab_file=params.vocab_file)
+    vocab_config = VocabConfig(corpus=str(ingest_dir), db=str(vocab_dir / "vocab.duckdb"), vocab_file=params.vocab_file,
+                               **params.vocab.model_dump())
     stats = vocab_stage(vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump()))
 
-    train_config = params.train.to_config(vocab_dir, train_dir, tracking_uri)
+    train_config = TrainConfig(data=str(vocab_dir), out=str(train_dir), init_from=params.init_from, tracking_uri=tracking_uri,
+                               **params.train.model_dump(exclude={"bf16"}))
     trained = train_stage(train_config, str(train_dir), fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"],
                                                                            train_config.model_dump(mode="json")))
     model_dir = export_stage(str(train_dir), str(export_dir))
@@ -233,13 +214,14 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     perplexity = evaluate_stage(model_dir, str(heldout), trained["perplexity"].get("perplexity_unigram")) if stats["heldout_tokens"] else {}
 
     embedded = None
-    if params.probes:
-        embedded = embed_flow(EmbedConfig(model=model_dir, input=str(_absolute(params.probes)), out=str(workdir / "embed"),
-                                          tokenizer=params.tokenizer))
+    if params.probes:  # the probe sentences' own table, replaced whenever the model changes
+        embedded = embed_flow(EmbedConfig(model=model_dir, input=str(_absolute(params.probes)), out=str(workdir / "probe_vectors"),
+                                          **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True}))
     summary = {
         "ingest": ingested["line"], "vocab_size": stats["vocab_size"], "perplexity": perplexity, "model_dir": model_dir,
         "mlflow_run_id": trained["run_id"], "mlflow_model_uri": trained["model_uri"], "mlflow_link": trained.get("mlflow_link"),
         "tracking_uri": tracking_uri, "embeddings": embedded["out"] if embedded else None, "query": embedded["query"] if embedded else None,
+        "register_as": params.train.register_as,
     }
     _print_summary(summary)
     return summary
@@ -253,16 +235,20 @@ def _print_summary(s: dict[str, Any]) -> None:
     lines.append(f"  model       {s['model_dir']}  (bilm-tf/AllenNLP format: options.json, weights.hdf5, vocab.txt)")
     if s["mlflow_run_id"]:
         store = s["tracking_uri"]
-        lines += [f"  MLflow run  {s['mlflow_run_id']} ({s['mlflow_model_uri']})",
-                  f"              see it: .venv/bin/mlflow ui --backend-store-uri {store} --port 5000  then {s['mlflow_link']}"]
+        lines += [f"  MLflow run  {s['mlflow_run_id']}, registered as {s['mlflow_model_uri']}"
+                  + (f" (the newest version is always models:/{s['register_as']}/latest)" if s["register_as"] else ""),
+                  f"              see it: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui --backend-store-uri {store} "
+                  f"--workers 1 --port 5000  then {s['mlflow_link']}"]
     if s["embeddings"]:
-        lines += [f"  embeddings  {s['embeddings']}",
+        lines += [f"  vectors     {s['embeddings']}  (the probe sentences)",
                   f"  query them  .venv/bin/elmo query {s['embeddings']} --token apples --sentence 'I like to eat apples with a little honey .'",
                   "  or in the duckdb shell:", *("    " + q for q in s["query"].splitlines())]
+    lines.append(f"  judge it    .venv/bin/elmo probe wsd --model {s['model_dir']} --data SENSES.jsonl --out {Path(s['model_dir']).parent / 'probe_wsd'}"
+                 "  (see the README: word-sense and tagging probes per layer)")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
     import sys
 
-    elmo_pipeline(PipelineParams.model_validate_json(sys.argv[1]) if len(sys.argv) > 1 else PipelineParams())
+    run_main(elmo_pipeline, PipelineParams.model_validate_json(sys.argv[1]) if len(sys.argv) > 1 else PipelineParams())

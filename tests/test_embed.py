@@ -87,7 +87,7 @@ def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, a
     again = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
     assert again.units_done_before == again.units and again.tokens == 0
     assert files == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
-    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["rows"] == first.rows
+    assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["rows"] == first.rows
     with pytest.raises(ConfigError, match="holds embeddings of another job"):
         embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out"), layers="all"))
 
@@ -98,10 +98,11 @@ def test_kill_9_mid_job_then_rerun_gives_exactly_one_row_per_token(tmp_path, all
     words = [f"w{i}" for i in range(300)]
     lines = [" ".join(rng.choice(words, size=rng.integers(3, 30))) + f" s{i}" for i in range(6000)]
     (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "big.txt")], out=str(tmp_path / "ing"), row_group_size=250))
+    ingest(IngestConfig(sources=[str(tmp_path / "big.txt")], out=str(tmp_path / "ing")))  # one row group: units cut it by tokens
     total_tokens = sum(len(line.split()) for line in lines)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "elmo_core.cli", "embed", "--model", str(allennlp_dir), "--input", str(tmp_path / "ing"), "--out", str(out), "--layers", "all"]
+    cmd = [sys.executable, "-m", "elmo_core.cli", "embed", "--model", str(allennlp_dir), "--input", str(tmp_path / "ing"), "--out", str(out),
+           "--layers", "all", "--unit-tokens", "4000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     while time.time() < deadline and len(list(out.glob("part-*.parquet"))) < 3:
@@ -208,7 +209,7 @@ def test_the_readme_apple_query_runs_on_an_embedding_of_the_probes(tmp_path, all
     embed(EmbedConfig(model=str(allennlp_dir), input=str(ROOT / "data" / "probes" / "apple.txt"), out=str(tmp_path / "embed"),
                       tokenizer="unicode"))
     con = duckdb.connect()
-    statements = [s for s in sql.replace("data/embed/", f"{tmp_path}/embed/").split(";") if s.strip()]
+    statements = [s for s in sql.replace("data/probe_vectors/", f"{tmp_path}/embed/").split(";") if s.strip()]
     for statement in statements[:-1]:
         con.execute(statement)
     rows = con.execute(statements[-1]).fetchall()

@@ -31,7 +31,7 @@ def _rows(out: Path) -> list[dict]:
 
 
 def _manifest(out: Path) -> list[dict]:
-    con = duckdb.connect(str(out / "manifest.duckdb"), read_only=True)
+    con = duckdb.connect(str(out / "_manifest.duckdb"), read_only=True)
     try:
         cur = con.execute("SELECT * FROM files ORDER BY path")
         names = [d[0] for d in cur.description]
@@ -255,3 +255,51 @@ def test_block_boundaries_change_nothing(tmp_path, monkeypatch):
     by_id = {r["sentence_id"].split(":", 1)[1]: r["text"] for r in rows}
     assert by_id["l1:0"] == "one two" and by_id["l3:0"] == "three\xa0four" and by_id["l5:0"] == "bro\ufffdken line"
     assert by_id["l8:2"] == " ".join(f"w{i}" for i in range(200, 250)) and by_id["l9:0"] == "last line, no newline"
+
+
+def test_the_same_text_compressed_twice_gets_the_same_ids_and_split(tmp_path):
+    text = "".join(f"sentence number {i} of the corpus .\n" for i in range(400))
+    (tmp_path / "plain.txt").write_text(text)
+    for name, stamp in (("a.txt.gz", 1_000_000), ("b.txt.gz", 2_000_000)):  # different gzip header times
+        with gzip.GzipFile(tmp_path / name, "wb", mtime=stamp, compresslevel=1 if name == "a.txt.gz" else 9) as f:
+            f.write(text.encode())
+    assert (tmp_path / "a.txt.gz").read_bytes() != (tmp_path / "b.txt.gz").read_bytes()
+    tables = []
+    for name in ("plain.txt", "a.txt.gz", "b.txt.gz"):
+        ingest(IngestConfig(sources=[str(tmp_path / name)], out=str(tmp_path / f"out-{name}"), heldout_fraction=0.2))
+        rows = sorted(_rows(tmp_path / f"out-{name}"), key=lambda r: r["sentence_id"])
+        tables.append([(r["doc_id"], r["sentence_id"], r["split"], r["text"]) for r in rows])
+    assert tables[0] == tables[1] == tables[2]
+    assert {split for *_, split, _ in tables[0]} == {"train", "heldout"}
+    # into one dataset, the second copy of the same text is recognised as already ingested
+    both = ingest(IngestConfig(sources=[str(tmp_path / "a.txt.gz"), str(tmp_path / "b.txt.gz")], out=str(tmp_path / "one")))
+    assert (both.files_ingested, both.files_skipped) == (1, 1)
+
+
+def test_a_folder_with_documents_beside_the_text_is_refused(tmp_path):
+    from elmo_core.errors import InputError
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("one line .\n")
+    (tmp_path / "src" / "LICENSE").write_text("Permission is hereby granted\n")
+    (tmp_path / "src" / "news-00001-of-00100").write_text("files without a suffix are corpus files .\n")
+    with pytest.raises(InputError, match=r"holds files that are not corpus text \(LICENSE\); name the corpus files or a glob"):
+        ingest(IngestConfig(sources=[str(tmp_path / "src")], out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+    done = ingest(IngestConfig(sources=[str(tmp_path / "src" / "a.txt"), str(tmp_path / "src" / "news-*")], out=str(tmp_path / "out")))
+    assert done.files_ingested == 2
+
+
+def test_a_dataset_refuses_other_tokenizer_options_and_reads_as_a_dataset(tmp_path):
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    from elmo_core.errors import OutputError
+
+    (tmp_path / "a.txt").write_text("Hello, world.\n")
+    (tmp_path / "b.txt").write_text("Goodbye, world.\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "out"), tokenizer="unicode"))
+    with pytest.raises(OutputError, match=r"ingested with other options \(tokenizer: 'unicode' → 'whitespace'\)"):
+        ingest(IngestConfig(sources=[str(tmp_path / "b.txt")], out=str(tmp_path / "out")))
+    ingest(IngestConfig(sources=[str(tmp_path / "b.txt")], out=str(tmp_path / "out"), tokenizer="unicode"))
+    assert len(pd.read_parquet(tmp_path / "out")) == ds.dataset(tmp_path / "out").count_rows() == 2

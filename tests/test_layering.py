@@ -1,4 +1,5 @@
-"""Dependencies point one way: flows → elmo_core; elmo_core never imports Prefect, and MLflow only on use."""
+"""Dependencies point one way: flows → elmo_core; elmo_core never imports Prefect, and MLflow only in tracking; and
+inside elmo_core every module imports only modules below it on the data path (no cycles, no lazy imports upward)."""
 
 import ast
 import subprocess
@@ -6,6 +7,46 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# elmo_core from the bottom up: a module may import only modules listed before it.
+LAYERS = [
+    "errors", "fileio", "progress", "precision",           # plumbing
+    "chars", "config", "tokenize", "options",              # ids, the model config, every stage's options
+    "ingest", "vocab", "batches",                          # text → Parquet → DuckDB vocab → batches
+    "weights", "inference", "model", "__init__",           # weight files, running over sentences, the network
+    "softmax", "checkpoint", "tracking", "train",          # training
+    "embed", "query", "corpus",                            # embeddings, queries, the default corpus
+    "mlflow_model", "cli",                                 # entry points
+]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """elmo_core modules a file imports, at module level or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and (node.module == "elmo_core" or node.module.startswith("elmo_core.")):
+            if node.module == "elmo_core":  # `from elmo_core import x`: a module, or the package's exports
+                found |= {a.name if (ROOT / "elmo_core" / f"{a.name}.py").exists() else "__init__" for a in node.names}
+            else:
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("elmo_core.")}
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert sorted(p.stem for p in (ROOT / "elmo_core").glob("*.py")) == sorted(LAYERS)
+
+
+def test_lower_modules_never_import_higher_ones():
+    for module in LAYERS:
+        allowed = set(LAYERS[: LAYERS.index(module)])
+        upward = _imported_modules(ROOT / "elmo_core" / f"{module}.py") - allowed - {module}
+        assert not upward, f"elmo_core/{module}.py imports {sorted(upward)}, which sit above it in LAYERS"
+
+
+def test_weights_never_builds_a_model():
+    assert not _imported_modules(ROOT / "elmo_core" / "weights.py") & {"model", "inference", "__init__"}
 
 
 def test_elmo_core_imports_without_prefect_or_mlflow():

@@ -8,6 +8,7 @@ import torch
 
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
+from elmo_core.inference import StateCarry
 from elmo_core.model import init_bilm_tf, reverse_padded
 
 SENTENCES = [
@@ -70,38 +71,45 @@ def test_stateless_output_does_not_depend_on_the_batch(model):
     assert all(np.array_equal(x, y) for x, y in zip(together, again))
 
 
+def _stateful(model, carry: StateCarry, batch):
+    """One call of bilm-tf's stateful protocol: the carried state in, the new state kept."""
+    out = model(batch_to_ids(batch), state=carry.take(len(batch)))
+    carry.keep(out["state"])
+    return out
+
+
 def test_stateful_carries_state_per_row(model):
     a, b = SENTENCES[0], SENTENCES[2]
-    model.reset_states()
-    first = model.embed_sentences([a, b], stateful=True)
-    second = model.embed_sentences([a, b], stateful=True)
+    carry = StateCarry()
+    first = model.embed_sentences([a, b], carry=carry)
+    second = model.embed_sentences([a, b], carry=carry)
     assert not np.allclose(first[0], second[0], atol=1e-3)  # state changed the second pass
     np.testing.assert_allclose(first[0][0], second[0][0])  # layer 0 is context-free
-    model.reset_states()
-    np.testing.assert_allclose(model.embed_sentences([a, b], stateful=True)[1], first[1], atol=1e-6)
+    carry.reset()
+    np.testing.assert_allclose(model.embed_sentences([a, b], carry=carry)[1], first[1], atol=1e-6)
+    np.testing.assert_allclose(model.embed_sentences([a, b], stateful=True)[1], first[1], atol=1e-6)  # a fresh carry
 
 
 def test_rows_beyond_a_smaller_batch_keep_their_state(model):
     a, b, c = SENTENCES[0], SENTENCES[2], SENTENCES[1]
-    model.reset_states()
-    model(batch_to_ids([a, b, c]), stateful=True)
-    expected = model(batch_to_ids([a, b, c]), stateful=True)["activations"][2]
+    carry = StateCarry()
+    _stateful(model, carry, [a, b, c])
+    expected = _stateful(model, carry, [a, b, c])["activations"][2]
 
-    model.reset_states()
-    model(batch_to_ids([a, b, c]), stateful=True)
-    model(batch_to_ids([["Hello", "world"]]), stateful=True)  # touches row 0 only
-    got = model(batch_to_ids([a, b, c]), stateful=True)["activations"][2]
+    carry = StateCarry()
+    _stateful(model, carry, [a, b, c])
+    _stateful(model, carry, [["Hello", "world"]])  # touches row 0 only
+    got = _stateful(model, carry, [a, b, c])["activations"][2]
     assert torch.allclose(got[1:], expected[1:], atol=1e-6)
     assert not torch.allclose(got[0], expected[0], atol=1e-3)
 
 
 def test_a_larger_batch_starts_new_rows_from_zero(model):
-    model.reset_states()
-    model(batch_to_ids([SENTENCES[0]]), stateful=True)
-    got = model(batch_to_ids([SENTENCES[0], SENTENCES[2]]), stateful=True)["activations"][2][1, :11]
+    carry = StateCarry()
+    _stateful(model, carry, [SENTENCES[0]])
+    got = _stateful(model, carry, [SENTENCES[0], SENTENCES[2]])["activations"][2][1, :11]
     fresh = model(batch_to_ids([SENTENCES[2]]))["activations"][2][0]
     assert torch.allclose(got, fresh, atol=1e-6)
-    model.reset_states()
 
 
 def test_clipping_bounds_the_outputs_without_skip_connections():
@@ -121,13 +129,14 @@ def test_fused_nn_lstm_path_equals_the_general_path():
     fused.load_state_dict(general.state_dict())
     assert fused.lstm.use_fused
     batches = [SENTENCES, SENTENCES[:2], [[], ["a", "b", "c"]], SENTENCES[::-1]]
+    general_carry, fused_carry = StateCarry(), StateCarry()
     with torch.no_grad():
         for batch in batches:  # stateful, so the carried states are compared too
-            g = general(batch_to_ids(batch), stateful=True)["activations"]
-            f = fused(batch_to_ids(batch), stateful=True)["activations"]
+            g = _stateful(general, general_carry, batch)["activations"]
+            f = _stateful(fused, fused_carry, batch)["activations"]
             for x, y in zip(g, f):
                 assert torch.allclose(x, y, atol=1e-5)
-    for x, y in zip(general._state, fused._state):
+    for x, y in zip(general_carry.state, fused_carry.state):
         assert torch.allclose(x, y, atol=1e-5)
 
 

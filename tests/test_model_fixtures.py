@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
+from elmo_core.inference import TokenCache
 from elmo_core.vocab import read_vocab_file
 
 ATOL = 1e-5
@@ -20,14 +21,16 @@ def _expected(path: Path, i: int) -> np.ndarray:
         return np.concatenate([f[str(i)][0], f[str(i)][1]], axis=-1)
 
 
-def _max_protocol_error(bilm: BiLM, sentences, expected_pattern: Path, to_ids=batch_to_ids, stateful=True) -> float:
+def _max_protocol_error(bilm: BiLM, sentences, expected_pattern: Path, to_ids=batch_to_ids, stateful=True, token_table=None) -> float:
     """The fixtures' stateful protocol: batch i holds sentences[0][i], [1][i], [2][i]; state carried by row."""
-    bilm.reset_states()
+    state = None
     worst = 0.0
     with torch.no_grad():
         for i in range(10):
             batch = [sentences[k][i].split() for k in range(3)]
-            top = bilm(to_ids(batch), stateful=stateful)["activations"][-1]
+            out = bilm(to_ids(batch), state=state, token_table=token_table)
+            state = out["state"] if stateful else None
+            top = out["activations"][-1]
             for k in range(3):
                 got = top[k, : len(batch[k])].numpy()
                 want = _expected(Path(str(expected_pattern).format(k=k)), i)
@@ -75,8 +78,8 @@ def test_context_independent_token_embeddings(allennlp_model, allennlp_dir):
 
 def test_token_input_mode_reproduces_the_fixture(allennlp_dir, fixture_sentences):
     bilm = BiLM.from_pretrained(str(allennlp_dir / "options.json"), str(allennlp_dir / "lm_weights.hdf5"))
-    bilm.cache_token_embeddings(read_vocab_file(allennlp_dir / "vocab_test.txt"))
-    err = _max_protocol_error(bilm, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", to_ids=bilm.batch_to_token_ids)
+    cache = TokenCache(bilm, read_vocab_file(allennlp_dir / "vocab_test.txt"))
+    err = _max_protocol_error(bilm, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", to_ids=cache.ids, token_table=cache.table)
     assert err < ATOL
 
 

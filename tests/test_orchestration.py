@@ -4,8 +4,10 @@ Plus the embed flow on a 2-worker Dask LocalCluster. Everything runs on 127.0.0.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,10 +102,54 @@ def _check_mlflow_ui(env: dict, run_id: str, tmp_path: Path) -> None:
         log.close()
 
 
-def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
+def _api(env: dict, path: str, body: dict) -> list[dict]:
+    request = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _check_progress_in_the_ui(env: dict) -> None:
+    """Each long stage left a progress artifact at 100% and progress lines (with an ETA) in its run's logs."""
+    artifacts = _api(env, "/artifacts/filter", {"artifacts": {"type": {"any_": ["progress"]}}})
+    done = {a["key"]: a["data"] for a in artifacts}
+    for stage in ("ingest", "vocab", "train", "evaluate", "embed"):
+        assert done.get(f"{stage}-progress") == 100.0, (stage, done)
+    messages: list[str] = []
+    while True:
+        page = _api(env, "/logs/filter", {"limit": 200, "offset": len(messages), "sort": "TIMESTAMP_ASC"})
+        messages += [log["message"] for log in page]
+        if len(page) < 200:
+            break
+    assert any(m.startswith("train: started (") for m in messages), messages[:50]
+    assert any(m.startswith("train: ") and "ETA" in m for m in messages)
+    assert any(m.startswith("train: ") and " steps in " in m for m in messages)
+
+
+def _readme_params(deployment: str) -> str:
+    """The JSON after `prefect deployment run DEPLOYMENT --watch --params` in the README's walkthrough."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(rf"prefect deployment run {re.escape(deployment)} --watch --params '(.*?)'", readme, re.S)
+    assert match, f"no `prefect deployment run {deployment}` in the README"
+    return match.group(1)
+
+
+def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
+    """The README's commands as written (its paths mapped into tmp_path): deploy, train, embed; tables hold exactly
+    one row per corpus token."""
     env = prefect_server
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(CORPUS + "\n")
+    corpus, runs = tmp_path / "corpora" / "news", tmp_path / "runs" / "news"
+    corpus.mkdir(parents=True)
+    lines = CORPUS.splitlines()
+    for i in range(2):  # the README trains on *.txt.gz
+        with gzip.open(corpus / f"part{i}.txt.gz", "wt", encoding="utf-8") as f:
+            f.write("\n".join(lines[i::2]) + "\n")
+
+    def params(deployment: str) -> str:
+        text = _readme_params(deployment).replace("/corpora/news", str(corpus)).replace("/runs/news", str(runs))
+        json.loads(text)  # valid JSON, as the README shows it
+        return text
+
     _prefect(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     deployed = _prefect(env, "--no-prompt", "deploy", "--all")
     assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout
@@ -111,11 +157,7 @@ def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
     worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "local"], cwd=ROOT, env=env,
                               stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        params = {"params": {"sources": [str(corpus)], "workdir": str(tmp_path / "work"), "tokenizer": "whitespace", "split_sentences": False,
-                             "heldout_fraction": 0.2, "min_count": 1,
-                             "train": {"preset": "tiny", "max_steps": 20, "batch_size": 4, "unroll_steps": 10,
-                                       "n_negative_samples_batch": 16, "register_as": "elmo-e2e"}}}
-        run = _prefect(env, "deployment", "run", "elmo/train", "--params", json.dumps(params), "--watch", "--watch-timeout", "600", timeout=700)
+        run = _prefect(env, "deployment", "run", "elmo/train", "--params", params("elmo/train"), "--watch", "--watch-timeout", "900", timeout=1000)
         assert "Completed" in run.stdout, run.stdout[-3000:]
 
         from mlflow.tracking import MlflowClient
@@ -125,25 +167,28 @@ def test_deploy_train_and_embed_through_a_worker(prefect_server, tmp_path):
         (mlrun,) = client.search_runs([experiment.experiment_id])
         assert mlrun.info.status == "FINISHED"
         assert {"loss", "perplexity_forward", "perplexity_backward", "tokens_per_s", "heldout_perplexity"} <= set(mlrun.data.metrics)
-        assert mlrun.data.params["config.preset"] == "tiny"
+        assert mlrun.data.params["config.preset"] == "small" and mlrun.data.params["config.batch_size"] == "128"
         assert {"export", "checkpoint", "config.json"} <= {a.path for a in client.list_artifacts(mlrun.info.run_id)}
-        version = max(int(v.version) for v in client.search_model_versions("name = 'elmo-e2e'"))
+        assert [int(v.version) for v in client.search_model_versions("name = 'elmo'")] == [1]
         _check_mlflow_ui(env, mlrun.info.run_id, tmp_path)
 
-        embed_params = {"config": {"model": f"models:/elmo-e2e/{version}", "input": str(tmp_path / "work" / "ingest"), "out": str(tmp_path / "emb")}}
-        run = _prefect(env, "deployment", "run", "embed/embed", "--params", json.dumps(embed_params), "--watch", "--watch-timeout", "600", timeout=700)
+        run = _prefect(env, "deployment", "run", "embed/embed", "--params", params("embed/embed"), "--watch", "--watch-timeout", "600", timeout=700)
         assert "Completed" in run.stdout, run.stdout[-3000:]
+        _check_progress_in_the_ui(env)
     finally:
         _kill_group(worker)
         worker_log.close()
 
     con = duckdb.connect()
-    rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))
-    rows, sentences = con.execute("SELECT count(*), count(DISTINCT sentence_id) FROM rel").fetchone()
-    tokens = con.execute("SELECT sum(n_tokens) FROM read_parquet($p)", {"p": str(tmp_path / "work" / "ingest" / "part-*.parquet")}).fetchone()[0]
+    tokens = con.execute("SELECT sum(n_tokens) FROM read_parquet($p)", {"p": str(runs / "ingest" / "part-*.parquet")}).fetchone()[0]
+    rows, sentences = con.execute("SELECT count(*), count(DISTINCT sentence_id) FROM read_parquet($p)",
+                                  {"p": str(runs / "embed" / "**" / "*.parquet")}).fetchone()
     assert rows == tokens and sentences == 8  # 6 distinct template sentences + the two apple sentences
-    top = con.execute("SELECT token, list_cosine_similarity(elmo, (SELECT elmo FROM rel WHERE token = 'apples')) AS s "
-                      "FROM rel WHERE token <> 'apples' ORDER BY s DESC LIMIT 1").fetchone()
+    probe_tokens = sum(len(line.split()) for line in (ROOT / "data" / "probes" / "apple.txt").read_text(encoding="utf-8").splitlines())
+    probe_rows = con.execute("SELECT count(*) FROM read_parquet($p)", {"p": str(runs / "probe_vectors" / "*.parquet")}).fetchone()[0]
+    assert probe_rows == probe_tokens  # the pipeline's probe vectors have their own table
+    top = con.execute("SELECT token, list_cosine_similarity(elmo, (SELECT elmo FROM read_parquet($p) WHERE token = 'apples')) AS s "
+                      "FROM read_parquet($p) WHERE token <> 'apples' ORDER BY s DESC LIMIT 1", {"p": str(runs / "embed" / "*.parquet")}).fetchone()
     assert -1.0 <= top[1] <= 1.0
 
 
@@ -155,10 +200,10 @@ def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allen
 
     lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(["apple", "phone", "river", "bank"] * 50)]
     (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), row_group_size=40))
+    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing")))  # one row group, cut into units by tokens
     script = ("import json, sys; from flows.embed import run_on_dask; from elmo_core.embed import EmbedConfig; "
               "print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))")
-    config = EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"))
+    config = EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=280)  # 40 sentences a unit: 5 units
     result = subprocess.run([sys.executable, "-c", script, config.model_dump_json()], cwd=ROOT, env={**os.environ},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

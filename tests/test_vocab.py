@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_core.chars import raw_char_ids
-from elmo_core.errors import ConfigError
+from elmo_core.errors import ConfigError, InputError
 from elmo_core.ingest import IngestConfig, ingest
 from elmo_core.vocab import VocabConfig, build_vocab, read_vocab_file
 
@@ -112,5 +112,5 @@ def test_token_ids_per_split(corpus, tmp_path):
 
 
 def test_no_shards_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="no part-\\*.parquet shards; run `elmo ingest` first"):
+    with pytest.raises(InputError, match="no part-\\*.parquet shards; run `elmo ingest` first"):
         build_vocab(VocabConfig(corpus=str(tmp_path), db=str(tmp_path / "v.duckdb")))

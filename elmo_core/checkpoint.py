@@ -1,0 +1,111 @@
+"""Training checkpoints: written atomically with their SHA-256, verified before any use.
+
+    OUT/checkpoints/step-000001250.pt          the payload (``torch.save``; loads with ``weights_only=True``)
+    OUT/checkpoints/step-000001250.pt.sha256   its digest, in ``sha256sum`` format (``sha256sum -c`` checks it)
+
+The digest file is written first and the checkpoint renamed into place after it, so a checkpoint that exists is
+complete and has its digest. Resume and export take the newest checkpoint whose bytes still match and that
+loads; a damaged one (truncated, zeroed, replaced) is named in one warning and the one before it is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elmo_core.errors import CheckpointError
+from elmo_core.fileio import atomic_path, file_sha256, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+PATTERN = "step-*.pt"
+
+
+def checkpoint_dir(out: str | Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def _step(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+def digest_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".sha256")
+
+
+def list_checkpoints(out: str | Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    return sorted(checkpoint_dir(out).glob(PATTERN), key=_step)
+
+
+def write_checkpoint(out: str | Path, step: int, payload: dict[str, Any], keep: int) -> Path:
+    """Save ``payload`` as ``step-<step>.pt`` with its digest; keep only the newest ``keep`` checkpoints."""
+    directory = checkpoint_dir(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:09d}.pt"
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+        write_text_atomic(digest_path(path), f"{file_sha256(tmp)}  {path.name}\n")
+    for old in list_checkpoints(out)[:-keep]:
+        old.unlink()
+    for digest in directory.glob(PATTERN + ".sha256"):
+        if not digest.with_suffix("").exists():  # its checkpoint was rotated out, or never renamed into place
+            digest.unlink()
+    return path
+
+
+def problem(path: Path) -> str | None:
+    """Why ``path`` cannot be trusted (checksum missing or different), or None when its bytes are as written."""
+    digest_file = digest_path(path)
+    if not digest_file.exists():
+        return None  # written before checksums existed: ``load`` still has to succeed
+    expected = (digest_file.read_text().split() or [""])[0]
+    if file_sha256(path) != expected:
+        return f"its SHA-256 differs from {digest_file.name} (truncated, overwritten or damaged)"
+    return None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """One named checkpoint, verified; a ``CheckpointError`` says what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    issue = problem(path)
+    if issue is None:
+        try:
+            return _load(path)
+        except Exception as exc:  # torch raises RuntimeError, EOFError, pickle errors, … for unreadable files
+            issue = f"it cannot be read ({str(exc).splitlines()[0][:120]})"
+    raise CheckpointError(f"{path}: {issue}; export another checkpoint of the run")
+
+
+def load_newest_valid(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint of a run folder that verifies and loads, with its payload; None when there is none.
+
+    Damaged ones are skipped with one warning naming them; if every checkpoint is damaged, a
+    ``CheckpointError`` lists them.
+    """
+    damaged: list[str] = []
+    for path in reversed(list_checkpoints(out)):
+        issue = problem(path)
+        if issue is None:
+            try:
+                payload = _load(path)
+            except Exception as exc:
+                issue = f"it cannot be read ({str(exc).splitlines()[0][:120]})"
+            else:
+                if damaged:
+                    log.warning("skipped damaged checkpoint %s; using %s", "; ".join(damaged), path.name)
+                return path, payload
+        damaged.append(f"{path} ({issue})")
+    if damaged:
+        raise CheckpointError(f"no valid checkpoint in {checkpoint_dir(out)}: {'; '.join(damaged)}; "
+                              "delete them to start the run afresh")
+    return None

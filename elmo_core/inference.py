@@ -1,0 +1,148 @@
+"""Running a biLM over many sentences: what ``BiLM.embed_sentences``, embedding jobs and probes share.
+
+* ``length_batches``: sentences sorted by length, each batch bounded by its padded size in tokens and rows.
+* ``TokenCache``: layer 0 (char CNN, highway, projection) computed once per distinct word of a unit of
+  work; sentences then enter the model as (B, T) ids into the cache's table.
+* ``StateCarry``: bilm-tf's and AllenNLP's stateful protocol over explicit state: row r's final LSTM state
+  starts row r of the next call; rows beyond a smaller batch keep theirs, new rows start from zero.
+* ``embed_sentences``: one (L+1, n_tokens, 2P) array per sentence.
+
+The biLM is passed in (a ``model.BiLM``); this module sits below the model and never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from elmo_core.chars import batch_to_ids
+from elmo_core.precision import autocast, resolve_precision
+
+MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
+
+LstmState = tuple[Tensor, Tensor]
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, max_rows: int | None = None) -> list[list[int]]:
+    """Indices grouped into batches of similar length: sorted by length (stable), each batch at most
+    ``max_rows`` sentences and ``max_tokens`` padded tokens (a longer sentence gets a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = max(lengths[i], 1)  # ascending order: the newcomer is the longest
+        if current and (longest * (len(current) + 1) > max_tokens or (max_rows and len(current) >= max_rows)):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TokenCache:
+    """Layer 0 of a fixed word list, computed once: ``table`` (V + 1, P) with row 0 the padding token."""
+
+    def __init__(self, bilm: Any, words: Sequence[str]) -> None:
+        self.words = list(words)
+        embeddings = bilm.token_embeddings(self.words)
+        self.table = torch.cat([embeddings.new_zeros(1, embeddings.shape[1]), embeddings])
+        self.index = {word: i + 1 for i, word in enumerate(self.words)}
+
+    @classmethod
+    def of_sentences(cls, bilm: Any, sentences: Sequence[Sequence[str]]) -> "TokenCache":
+        return cls(bilm, sorted({token for sentence in sentences for token in sentence}))
+
+    def ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
+        """(B, T) ids (cache row, 0 = padding) of sentences whose words are all in the cache."""
+        longest = max((len(s) for s in sentences), default=0)
+        ids = np.zeros((len(sentences), longest), dtype=np.int64)
+        index = self.index
+        for b, sentence in enumerate(sentences):
+            try:
+                ids[b, : len(sentence)] = [index[token] for token in sentence]
+            except KeyError as exc:
+                raise KeyError(f"token {exc.args[0]!r} (sentence {b}) is not in the token cache") from None
+        return torch.from_numpy(ids)
+
+
+class StateCarry:
+    """The LSTM state carried from call to call, per batch row (bilm-tf's ``Batcher`` / AllenNLP semantics)."""
+
+    def __init__(self) -> None:
+        self.state: LstmState | None = None
+
+    def reset(self) -> None:
+        self.state = None
+
+    def take(self, batch: int) -> LstmState | None:
+        """The starting state of a batch of ``batch`` rows: the carried rows, zeros for rows never seen."""
+        if self.state is None:
+            return None
+        h, c = self.state
+        if h.shape[2] >= batch:
+            return h[:, :, :batch], c[:, :, :batch]
+        grow = batch - h.shape[2]
+        return (torch.cat([h, h.new_zeros(*h.shape[:2], grow, h.shape[3])], dim=2),
+                torch.cat([c, c.new_zeros(*c.shape[:2], grow, c.shape[3])], dim=2))
+
+    def keep(self, new_state: LstmState) -> None:
+        """Store a call's final state; rows beyond its batch keep what they had."""
+        h, c = (s.detach().float() for s in new_state)
+        if self.state is not None and self.state[0].shape[2] > h.shape[2]:
+            batch = h.shape[2]
+            h = torch.cat([h, self.state[0][:, :, batch:]], dim=2)
+            c = torch.cat([c, self.state[1][:, :, batch:]], dim=2)
+        self.state = (h, c)
+
+
+@torch.no_grad()
+def embed_sentences(
+    bilm: Any,
+    sentences: Sequence[Sequence[str]],
+    batch_size: int = 64,
+    stateful: bool = False,
+    carry: StateCarry | None = None,
+    precision: str = "fp32",
+    bf16: bool | None = None,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
+) -> list[np.ndarray]:
+    """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed.
+
+    Stateless (default): sentences are sorted by length into batches of at most ``batch_size`` rows and
+    ``max_batch_tokens`` padded tokens, each starting from zero state, so a sentence's vectors do not depend
+    on the rest of the batch. ``stateful=True`` (or a ``carry``, which then persists across calls): batches of
+    ``batch_size`` in the given order, the state carried per row like AllenNLP's ``ElmoEmbedder``.
+    ``precision`` "bf16" runs the matmuls in bfloat16 with the cell state in float32.
+    """
+    if bf16 is not None:
+        precision = "bf16" if bf16 else "fp32"
+        import logging
+
+        logging.getLogger(__name__).warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
+    precision = resolve_precision(precision, bilm.device)
+    if stateful and carry is None:
+        carry = StateCarry()
+    if carry is not None:
+        batches = [list(range(start, min(start + batch_size, len(sentences)))) for start in range(0, len(sentences), batch_size)]
+    else:
+        batches = length_batches([len(s) for s in sentences], max_batch_tokens, batch_size)
+    results: list[np.ndarray | None] = [None] * len(sentences)
+    max_chars = bilm.config.char_cnn.max_characters_per_token
+    for batch in batches:
+        chunk = [sentences[i] for i in batch]
+        ids = batch_to_ids(chunk, max_chars).to(bilm.device, non_blocking=True)
+        state = carry.take(len(chunk)) if carry is not None else None
+        with autocast(bilm.device, precision):
+            layers, counts, new_state = bilm.token_rows(ids, state=state)
+        if carry is not None:
+            carry.keep(new_state)
+        stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
+        start = 0
+        for i, n in zip(batch, counts.tolist()):
+            results[i] = np.ascontiguousarray(stacked[:, start : start + n])
+            start += n
+    return results  # type: ignore[return-value]

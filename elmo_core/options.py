@@ -1,0 +1,243 @@
+"""Every stage's options, defined once: the ``elmo`` CLI, the Prefect flows, MLflow params and checkpoints use these.
+
+Per stage, *options* say what to do and a *config* adds where (input and output paths):
+
+    IngestOptions    + sources, out          = IngestConfig
+    VocabOptions     + corpus, db, vocab_file = VocabConfig
+    TrainOptions     + data, out, init_from   = TrainConfig
+    EmbedOptions     + model, input, out      = EmbedConfig
+
+The CLI builds one flag per field (help text = the field's description); a ``--config`` YAML/JSON file and
+flags merge as: field defaults < config file < flags. Flows take the option models as parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elmo_core.config import ModelConfig, PresetName, load_config_file, preset
+from elmo_core.errors import ConfigError
+from elmo_core.tokenize import TokenizerName
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["auto", "fp32", "bf16"]
+
+
+class Options(BaseModel):
+    """Base of every options model: unknown keys are errors, values never change after validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any):  # noqa: ANN206  (returns cls)
+        """Load a YAML/JSON file of fields; ``overrides`` (not None) win over the file."""
+        data = load_config_file(path)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return validate(cls, data, source=str(path))
+
+
+def validate(cls: type[Options], data: dict[str, Any], source: str = "options"):  # noqa: ANN201
+    """``cls.model_validate(data)`` with pydantic's errors turned into one ``ConfigError`` line."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"]) or "value"
+        got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
+        parts.append(f"{where}: {error['msg']}{got}")
+    return "; ".join(parts)
+
+
+def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
+    """Map the old ``bf16`` flag onto ``precision`` (with one warning)."""
+    if isinstance(data, dict) and data.get("bf16") is not None:
+        data = dict(data)
+        value = bool(data.pop("bf16"))
+        if "precision" not in data:
+            data["precision"] = when_true if value else "fp32"
+        log.warning("%s: 'bf16' is deprecated; use precision: %s", stage, data["precision"])
+    return data
+
+
+# ----- ingest ------------------------------------------------------------------------------------------
+
+
+class IngestOptions(Options):
+    tokenizer: TokenizerName = Field("whitespace", description="whitespace (pre-tokenized text), unicode (words, numbers, punctuation) or chinese (jieba)")
+    split_sentences: bool = Field(False, description="inputs hold paragraphs (blank-line separated): split them into sentences")
+    text_field: str = Field("text", description="JSONL: the field holding the text")
+    text_column: str = Field("text", description="Parquet: the column holding the text")
+    heldout_fraction: float = Field(0.01, ge=0.0, le=1.0, description="share of sentences drawn (by a hash of their text) for the heldout split")
+    max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
+    dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
+    memory_limit: str = Field("2GB", description="DuckDB memory limit")
+    row_group_size: int = Field(50_000, gt=0, description="rows per Parquet row group (the streaming unit of readers)")
+
+
+# the options every shard of one dataset must share (how text becomes sentences, tokens and splits)
+DATASET_OPTIONS = ("tokenizer", "split_sentences", "text_field", "text_column", "heldout_fraction", "max_tokens", "dedup")
+
+
+class IngestConfig(IngestOptions):
+    sources: list[str] = Field(description="files, folders (recursive) or glob patterns")
+    out: str = Field(description="output dataset folder (part-*.parquet + manifest.duckdb)")
+
+
+# ----- vocab -------------------------------------------------------------------------------------------
+
+
+class VocabOptions(Options):
+    min_count: int = Field(1, ge=1, description="keep words seen at least this often in the train split")
+    max_size: int | None = Field(None, gt=3, description="at most this many entries, <S> </S> <UNK> included")
+    memory_limit: str = Field("4GB", description="DuckDB memory limit")
+    token_ids: bool = Field(True, description="also write token ids per split (what the trainer streams)")
+
+
+class VocabConfig(VocabOptions):
+    corpus: str = Field(description="an ingested dataset folder")
+    db: str = Field(description="DuckDB file to write; vocab.txt and token_ids/ go beside it")
+    vocab_file: str | None = Field(None, description="import this bilm-tf vocab.txt instead of counting one (fine-tuning keeps its vocab)")
+
+
+# ----- train -------------------------------------------------------------------------------------------
+
+
+class TrainOptions(Options):
+    """bilm-tf's training recipe and option names; CPU_TRAIN_OPTIONS below is the main job's small variant."""
+
+    preset: PresetName = Field("tiny", description="model size: tiny (tests), mini (CPU), small 2x1024_128, medium 2x2048_256, original 2x4096_512")
+    model: ModelConfig | None = Field(None, description="explicit architecture (options.json layout, inline JSON or a file); overrides preset")
+    batch_size: int = Field(128, gt=0, description="rows per step per process; bilm-tf used 128 per GPU")
+    unroll_steps: int = Field(20, gt=0, description="truncated-BPTT window (tokens per row per step)")
+    n_epochs: float = Field(10.0, gt=0, description="passes over the train split")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many steps (overrides n_epochs)")
+    n_train_tokens: int | None = Field(None, gt=0, description="fixes the steps per epoch; default: counted from the data")
+    n_negative_samples_batch: int = Field(8192, gt=0, description="sampled-softmax negatives per step (log-uniform)")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on each LSTM layer's input and the top output")
+    optimizer: Literal["adagrad", "adamw"] = Field("adagrad", description="adagrad (bilm-tf) or adamw")
+    learning_rate: float = Field(0.2, gt=0.0, description="0.2 for Adagrad (bilm-tf); about 1e-3 for AdamW")
+    initial_accumulator_value: float = Field(1.0, ge=0.0, description="Adagrad's initial accumulator (bilm-tf: 1.0)")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW only")
+    all_clip_norm_val: float = Field(10.0, gt=0.0, description="global gradient-norm clip")
+    sparse_softmax: bool | None = Field(None, description="sparse softmax gradients; default: on for >50k words with Adagrad in one process")
+    seed: int = Field(0, description="seeds the model init, the data order and the sampler")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    precision: Precision = Field("auto", description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 on CUDA, fp32 on CPU")
+    bf16: bool | None = Field(None, description="deprecated: use --precision (true = auto, false = fp32)")
+    compile: bool = Field(False, description="torch.compile the token encoder")
+    log_every: int = Field(10, gt=0, description="steps between logged metrics")
+    checkpoint_every: int = Field(1250, gt=0, description="steps between checkpoints")
+    keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
+    eval_batch_size: int = Field(64, gt=0, description="rows per heldout evaluation batch")
+    eval_max_batches: int | None = Field(None, gt=0, description="evaluate on at most this many heldout batches")
+    on_nan: Literal["stop", "skip"] = Field("stop", description="a NaN loss stops the run (naming the last good checkpoint) or skips the batch")
+    resume: bool = Field(False, description="continue from the newest valid checkpoint in out/")
+    tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
+    mlflow_experiment: str = Field("elmo", description="MLflow experiment name")
+    register_as: str | None = Field("elmo", description="MLflow registered-model name; null: log the model only")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_alias(cls, data: Any) -> Any:
+        return _deprecated_bf16(data, "auto", "train")
+
+    def architecture(self, n_tokens_vocab: int | None = None) -> ModelConfig:
+        """The model to build: ``model`` if given, else the preset; with a softmax over ``n_tokens_vocab`` words."""
+        base = self.model or preset(self.preset)
+        return base.model_copy(update={"n_tokens_vocab": n_tokens_vocab}) if n_tokens_vocab else base
+
+
+class TrainConfig(TrainOptions):
+    data: str = Field(description="folder written by `elmo vocab` (vocab.txt, token_ids/train, token_ids/heldout)")
+    out: str = Field(description="run folder: checkpoints/, model/ (the export), metrics.jsonl")
+    init_from: str | None = Field(None, description="fine-tune: a model directory, runs:/ or models:/ URI")
+    tracking_uri: str | None = Field(None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db")
+
+
+# The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf.
+CPU_TRAIN_OPTIONS = TrainOptions(preset="mini", batch_size=32, n_negative_samples_batch=512, log_every=20, checkpoint_every=200, resume=True)
+
+
+# ----- embed -------------------------------------------------------------------------------------------
+
+
+class EmbedOptions(Options):
+    layers: Literal["all", "mix"] = Field("mix", description="mix: one 'elmo' column (scalar mix); all: layer_0 ... layer_L columns")
+    mix_weights: list[float] | None = Field(None, description="scalar-mix weights before softmax, one per layer; default: plain average")
+    gamma: float = Field(1.0, description="scalar-mix scale")
+    dtype: Literal["float32", "float16"] = Field("float32", description="storage type of the vectors")
+    pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
+    split: Literal["all", "train", "heldout"] = Field("all", description="which split of an ingested dataset")
+    tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
+    max_batch_tokens: int = Field(8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)")
+    unit_tokens: int = Field(40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)")
+    stateful: bool = Field(False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 (bilm-tf exact) or bf16 (matmuls in bfloat16, cell state in fp32)")
+    bf16: bool | None = Field(None, description="deprecated: use --precision bf16")
+    overwrite: bool = Field(False, description="replace a table of another job in --out (the new one is swapped in when complete)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_alias(cls, data: Any) -> Any:
+        return _deprecated_bf16(data, "bf16", "embed")
+
+
+class EmbedConfig(EmbedOptions):
+    model: str = Field(description="model directory (options.json + weights.hdf5), runs:/RUN/model or models:/NAME/VERSION")
+    input: str = Field(description="an ingested dataset folder, or text files / a folder / a glob (one sentence per line)")
+    out: str = Field(description="output dataset folder: part-*.parquet, read with DuckDB, pandas, pyarrow or Spark")
+
+
+# ----- the smaller commands ------------------------------------------------------------------------------
+
+
+class PerplexityConfig(Options):
+    model: str = Field(description="model directory with its softmax and vocab.txt, or an MLflow model URI")
+    corpus: str = Field(description="an ingested dataset folder")
+    split: Literal["heldout", "train"] = Field("heldout", description="which split to score")
+    batch_size: int = Field(64, gt=0, description="rows per batch")
+    max_batches: int | None = Field(None, gt=0, description="score at most this many batches")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+
+
+class ExportConfig(Options):
+    run: str | None = Field(None, description="run folder: exports its newest valid checkpoint")
+    checkpoint: str | None = Field(None, description="a checkpoint file instead")
+    out: str = Field(description="model directory to write (options.json, weights.hdf5 with softmax, vocab.txt)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ExportConfig":
+        if (self.run is None) == (self.checkpoint is None):
+            raise ValueError("give exactly one of run and checkpoint")
+        return self
+
+
+class QueryConfig(Options):
+    embeddings: str = Field(description="an `elmo embed` output folder")
+    token: str | None = Field(None, description="the token whose contexts to compare")
+    sentence: str | None = Field(None, description="the sentence text the token is in")
+    sentence_id: str | None = Field(None, description="or the sentence's id")
+    similar_to: str | None = Field(None, description="a sentence_id: similar sentences (tables made with --pool mean)")
+    like: str | None = Field(None, description="only neighbours whose lower-cased token matches this SQL LIKE pattern")
+    layer: str | None = Field(None, description="elmo or layer_N (default: elmo, else the top layer)")
+    k: int = Field(10, gt=0, description="how many neighbours")
+
+
+class InfoConfig(Options):
+    model: str = Field(description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI")
+
+
+class DemoConfig(Options):
+    model: str | None = Field(None, description="model directory; default: the TF-trained fixture model in tests/fixtures")
+    input: str | None = Field(None, description="whitespace-tokenized sentences, one per line; default: data/probes/apple.txt")

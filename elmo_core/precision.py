@@ -1,0 +1,72 @@
+"""Numeric precision of a run: exact float32 (bilm-tf's numbers) or bfloat16 matmuls with float32 state.
+
+``bf16`` runs the char CNN, highway, projection, the LSTM input and recurrent matmuls (and the softmax where
+used) in bfloat16 under ``torch.autocast``; accumulation happens in float32 inside the kernels, and the LSTM
+cell state, the gate arithmetic and the loss stay float32 (``model._clipped_lstm`` casts the gates up).
+CPUs without native bf16 instructions still run it, more slowly; ``ELMO_ASSUME_NO_BF16=1`` makes this
+module report such a CPU (how the tests exercise that path on machines that have bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@lru_cache(maxsize=1)
+def cpu_capability() -> str:
+    """What torch's CPU kernels were dispatched for (e.g. AVX512, AVX2, DEFAULT)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # older builds
+        return "unknown"
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bfloat16 dot-product instructions (avx512_bf16, AMX or ARM bf16)."""
+    if os.environ.get("ELMO_ASSUME_NO_BF16") == "1":
+        return False
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_warned: set[str] = set()
+
+
+def resolve_precision(precision: str, device: torch.device | str) -> str:
+    """``auto`` → bf16 on CUDA, fp32 on the CPU; warns once when bf16 will be emulated on this CPU."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    device_type = torch.device(device).type
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16() and "cpu" not in _warned:
+        _warned.add("cpu")
+        log.warning("this CPU has no native bfloat16 instructions (torch CPU capability %s): bf16 works but runs "
+                    "slower than fp32 here; use --precision fp32", cpu_capability())
+    return precision
+
+
+def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:
+    """The autocast context of ``precision`` on ``device`` (a no-op for fp32)."""
+    if precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def onednn_verbose(enabled: bool) -> Iterator[None]:
+    """Print oneDNN's kernel log (which primitives ran, in which precision) while the block runs."""
+    if not enabled or not torch.backends.mkldnn.is_available():
+        yield
+        return
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        yield

@@ -1,0 +1,140 @@
+"""Progress of long stages (ingest, vocab, train, evaluate, embed): one way to report it, several displays.
+
+Core code wraps its loop in ``track(name, total, unit)`` and calls ``advance``/``update`` on the handle. What
+the user sees:
+
+* on a terminal: a rich progress bar with rate and ETA, on stderr;
+* otherwise (logs, CI): one log line about every 10% or 60 s, with the ETA;
+* every sink added with ``add_sink`` (the Prefect flows add one that updates a progress artifact in the
+  Prefect UI and writes those log lines through Prefect's run logger instead).
+
+Sinks are per thread of control (a ``ContextVar``), so a flow's tasks each report to their own run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Protocol
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_FRACTION = 0.10
+LOG_EVERY_SECONDS = 60.0
+
+
+class ProgressSink(Protocol):
+    """Receives a stage's progress; ``update`` is called at most a few times a second."""
+
+    def begin(self, name: str, total: float | None, unit: str) -> None: ...
+    def update(self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str) -> None: ...
+    def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None: ...
+
+
+_SINKS: ContextVar[tuple[ProgressSink, ...]] = ContextVar("elmo_progress_sinks", default=())
+
+
+@contextmanager
+def add_sink(sink: ProgressSink) -> Iterator[None]:
+    """Report every ``track`` inside the block to ``sink`` as well."""
+    token = _SINKS.set(_SINKS.get() + (sink,))
+    try:
+        yield
+    finally:
+        _SINKS.reset(token)
+
+
+def _format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A running stage: ``done`` of ``total`` units (``total`` may be unknown), with free-form ``info``."""
+
+    def __init__(self, name: str, total: float | None, unit: str, done: float = 0.0) -> None:
+        self.name, self.total, self.unit = name, total, unit
+        self.done = self._start_done = done
+        self.info = ""
+        self._started = time.perf_counter()
+        self._last_sink = 0.0
+        self._last_log, self._last_log_done = self._started, done
+        self._sinks = _SINKS.get()
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                                     TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                     TextColumn("{task.fields[info]}"), transient=False, redirect_stderr=False)
+            self._task = self._bar.add_task(name, total=total, completed=done, info="")
+            self._bar.start()
+        for sink in self._sinks:
+            sink.begin(name, total, unit)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate of this session (a resumed stage does not count earlier work)."""
+        rate = (self.done - self._start_done) / max(time.perf_counter() - self._started, 1e-9)
+        if self.total is None or rate <= 0:
+            return None
+        return max(self.total - self.done, 0.0) / rate
+
+    def set_total(self, total: float | None) -> None:
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
+    def advance(self, amount: float = 1.0, info: str | None = None) -> None:
+        self.update(self.done + amount, info)
+
+    def update(self, done: float, info: str | None = None) -> None:
+        self.done = done
+        if info is not None:
+            self.info = info
+        now = time.perf_counter()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, info=self.info)
+        elif not self._sinks and self._log_due(now):  # a sink (the Prefect UI) reports instead
+            self._last_log, self._last_log_done = now, done
+            log.info("%s", self.line())
+        if self._sinks and now - self._last_sink >= 0.5:
+            self._last_sink = now
+            for sink in self._sinks:
+                sink.update(self.name, done, self.total, self.unit, self.eta_s, self.info)
+
+    def _log_due(self, now: float) -> bool:
+        if self.total:
+            if (self.done - self._last_log_done) >= LOG_EVERY_FRACTION * self.total:
+                return True
+        return now - self._last_log >= LOG_EVERY_SECONDS
+
+    def line(self) -> str:
+        """``train: 120/600 steps (20%), ETA 4:10, loss 5.21``"""
+        total = f"/{self.total:,.0f}" if self.total else ""
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        eta = f", ETA {_format_eta(self.eta_s)}" if self.total else ""
+        info = f", {self.info}" if self.info else ""
+        return f"{self.name}: {self.done:,.0f}{total} {self.unit}{share}{eta}{info}"
+
+    def close(self) -> None:
+        seconds = time.perf_counter() - self._started
+        if self._bar is not None:
+            self._bar.stop()
+        for sink in self._sinks:
+            sink.end(self.name, self.done, self.total, self.unit, seconds)
+
+
+@contextmanager
+def track(name: str, total: float | None, unit: str = "", done: float = 0.0) -> Iterator[Progress]:
+    """Report the progress of the block's loop as stage ``name``."""
+    progress = Progress(name, total, unit, done)
+    try:
+        yield progress
+    finally:
+        progress.close()

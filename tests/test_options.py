@@ -1,0 +1,105 @@
+"""One options model per stage, used everywhere: CLI flags, flow parameters and prefect.yaml all map onto it."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elmo_core.cli import COMMANDS, build_parser, parse_config
+from elmo_core.config import PRESETS, PresetName
+from elmo_core.errors import ConfigError
+from elmo_core.options import CPU_TRAIN_OPTIONS, EmbedOptions, IngestOptions, TrainConfig, TrainOptions, VocabOptions
+from elmo_core.tokenize import TokenizerName
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_FIELDS = {"help", "config"}  # the two flags every command adds
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_cli_flag_is_a_field_and_every_field_a_flag():
+    for name, command in _subparsers(build_parser()).items():
+        model = COMMANDS[name][0]
+        dests = {a.dest for a in command._actions} - NOT_FIELDS
+        assert dests == set(model.model_fields), name
+        for action in command._actions:
+            if action.dest in model.model_fields:
+                assert action.help.startswith(model.model_fields[action.dest].description), (name, action.dest)
+
+
+def test_defaults_then_config_file_then_flags(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({"data": "d", "out": "o", "batch_size": 7, "unroll_steps": 5}))
+    args = build_parser().parse_args(["train", "--config", str(config), "--batch-size", "9", "--no-resume", "--model",
+                                      '{"lstm": {"dim": 32, "projection_dim": 8}, "char_cnn": {"filters": [[1, 8]]}}'])
+    options = parse_config(TrainConfig, args)
+    assert (options.batch_size, options.unroll_steps, options.dropout) == (9, 5, 0.1)  # flag, file, default
+    assert options.model.lstm.dim == 32 and options.architecture().lstm.projection_dim == 8
+    with pytest.raises(ConfigError, match=r"--batch-size: Input should be greater than 0 \(got -1\)"):
+        parse_config(TrainConfig, build_parser().parse_args(["train", "--data", "d", "--out", "o", "--batch-size", "-1"]))
+    with pytest.raises(ConfigError, match="--out: Field required"):
+        parse_config(TrainConfig, build_parser().parse_args(["train", "--data", "d"]))
+
+
+def test_one_list_of_presets_and_of_tokenizers():
+    assert tuple(typing.get_args(PresetName)) == tuple(PRESETS)
+    assert IngestOptions.model_fields["tokenizer"].annotation is TokenizerName
+    assert EmbedOptions.model_fields["tokenizer"].annotation is TokenizerName
+
+
+def test_the_flows_take_the_option_models():
+    from flows.embed import embed_flow
+    from flows.pipeline import PipelineParams, elmo_pipeline
+
+    assert list(inspect.signature(elmo_pipeline.fn).parameters) == ["params"]
+    stages = {"ingest": IngestOptions, "vocab": VocabOptions, "train": TrainOptions, "embed": EmbedOptions}
+    for name, model in stages.items():
+        assert PipelineParams.model_fields[name].annotation is model
+    assert PipelineParams.model_fields["train"].default is CPU_TRAIN_OPTIONS
+    from elmo_core.options import EmbedConfig
+
+    assert inspect.signature(embed_flow.fn).parameters["config"].annotation in (EmbedConfig, "EmbedConfig")
+
+
+def test_a_stage_dict_lays_over_the_main_job_defaults():
+    from flows.pipeline import PipelineParams
+
+    params = PipelineParams.model_validate({"train": {"n_epochs": 3}, "vocab": {"min_count": 5}})
+    assert (params.train.preset, params.train.batch_size, params.train.n_epochs) == ("mini", 32, 3)
+    assert params.vocab.min_count == 5 and params.ingest.tokenizer == "unicode"
+    small = PipelineParams.model_validate({"train": {"preset": "small", "batch_size": 128}})
+    assert small.train.architecture().lstm.dim == 1024 and small.train.batch_size == 128
+    with pytest.raises(Exception, match="extra"):
+        PipelineParams.model_validate({"train": {"max_vocab": 3}})
+
+
+def test_prefect_yaml_parameters_validate_against_the_flows():
+    import importlib
+
+    project = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    names = set()
+    for deployment in project["deployments"]:
+        path, function = deployment["entrypoint"].split(":")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        flow = getattr(module, function)
+        flow.validate_parameters(deployment.get("parameters") or {})  # raises on a parameter the flow lacks
+        names.add(f"{flow.name}/{deployment['name']}")
+    assert {"elmo/train", "embed/embed"} <= names
+
+
+def test_the_deprecated_bf16_flags_map_onto_precision(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert EmbedOptions(bf16=True).precision == "bf16"
+        assert TrainOptions(bf16=True).precision == "auto" and TrainOptions(bf16=False).precision == "fp32"
+    assert "'bf16' is deprecated; use precision: bf16" in caplog.text
+    args = build_parser().parse_args(["embed", "--model", "m", "--input", "i", "--out", "o", "--bf16"])
+    assert parse_config(COMMANDS["embed"][0], args).precision == "bf16"

@@ -1,0 +1,59 @@
+"""Every long stage reports its progress (begin, updates, end) through elmo_core.progress; without a terminal
+and without a sink it logs lines with the ETA."""
+
+from __future__ import annotations
+
+import logging
+
+from elmo_core.embed import EmbedConfig, embed
+from elmo_core.ingest import ingest
+from elmo_core.options import IngestConfig, TrainConfig, VocabConfig
+from elmo_core.progress import add_sink, track
+from elmo_core.train import train
+from elmo_core.vocab import build_vocab
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, float]] = []
+
+    def begin(self, name, total, unit):
+        self.events.append(("begin", name, total or 0))
+
+    def update(self, name, done, total, unit, eta_s, info):
+        self.events.append(("update", name, done))
+
+    def end(self, name, done, total, unit, seconds):
+        self.events.append(("end", name, done))
+
+    def stages(self, kind: str) -> list[str]:
+        return [name for k, name, _ in self.events if k == kind]
+
+
+def test_ingest_vocab_train_evaluate_and_embed_report_progress(tmp_path, allennlp_dir):
+    lines = [f"the {w} sat on the mat number {i} ." for i, w in enumerate(["cat", "dog", "bird", "fox"] * 30)]
+    (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
+    recorder = Recorder()
+    with add_sink(recorder):
+        ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.2))
+        build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v" / "vocab.duckdb")))
+        train(TrainConfig(data=str(tmp_path / "v"), out=str(tmp_path / "run"), max_steps=6, batch_size=4, unroll_steps=5,
+                          n_negative_samples_batch=8, tracking="none"))
+        embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=200))
+    assert set(recorder.stages("end")) == {"ingest", "vocab", "train", "evaluate", "embed"}
+    for stage in ("ingest", "vocab", "train", "evaluate", "embed"):
+        assert stage in recorder.stages("begin") and stage in recorder.stages("update")
+    train_done = [done for k, name, done in recorder.events if name == "train" and k == "end"]
+    assert train_done == [6]
+
+
+def test_without_a_terminal_progress_is_logged_with_an_eta(caplog, monkeypatch):
+    times = iter(range(0, 1000, 3))
+    monkeypatch.setattr("elmo_core.progress.time.perf_counter", lambda: float(next(times)))
+    with caplog.at_level(logging.INFO, logger="elmo_core.progress"):
+        with track("train", 100, "steps") as progress:
+            for step in range(1, 101):
+                progress.update(step, f"loss {5 - step / 50:.2f}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert 9 <= len(lines) <= 11  # about every 10%
+    assert lines[0].startswith("train: 10/100 steps (10%), ETA ") and lines[0].endswith("loss 4.80")
