@@ -25,15 +25,40 @@ class _Unused(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        value = type(name, (), {"__init__": lambda self, *a, **k: None, "__class_getitem__": classmethod(lambda c, i: c)})
+        value = type(
+            name, (), {"__init__": lambda self, *a, **k: None, "__class_getitem__": classmethod(lambda c, i: c)}
+        )
         setattr(self, name, value)
         return value
 
 
 class _UnusedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    NAMES = {"transformers", "spacy", "cached_path", "nltk", "sentencepiece", "tensorboardX", "wandb", "fairscale",
-             "termcolor", "jsonnet", "_jsonnet", "requests", "filelock", "sklearn", "scipy", "huggingface_hub",
-             "torchvision", "boto3", "botocore", "google", "more_itertools", "datasets", "traitlets", "checklist"}
+    NAMES = {
+        "transformers",
+        "spacy",
+        "cached_path",
+        "nltk",
+        "sentencepiece",
+        "tensorboardX",
+        "wandb",
+        "fairscale",
+        "termcolor",
+        "jsonnet",
+        "_jsonnet",
+        "requests",
+        "filelock",
+        "sklearn",
+        "scipy",
+        "huggingface_hub",
+        "torchvision",
+        "boto3",
+        "botocore",
+        "google",
+        "more_itertools",
+        "datasets",
+        "traitlets",
+        "checklist",
+    }
 
     def find_spec(self, fullname, path, target=None):
         if fullname.split(".")[0] in self.NAMES:

@@ -41,9 +41,8 @@ def bilm_step_tokens_per_s(token_id_dir: Path, repeats: int = 3) -> float:
     """Forward + backward of the small biLM's char CNN and LSTMs on a real batch from the generator."""
     import torch
 
-    from elmo_core.batches import LMBatcher
-
     from elmo_core import BiLM
+    from elmo_core.batches import LMBatcher
     from elmo_core.config import small
     from elmo_core.model import init_bilm_tf
 

@@ -50,7 +50,9 @@ def _zipf_shards(n_tokens: int, n_types: int, seed: int, shard_tokens: int):
         shard += 1
 
 
-def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000) -> int:
+def write_parquet_corpus(
+    out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000
+) -> int:
     """An ingest-format dataset (part-*.parquet) of Zipfian sentences, built with Arrow (no Python per token)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -64,9 +66,18 @@ def write_parquet_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed:
         n = len(lengths)
         names = [f"{shard}:{i}" for i in range(n)]
         split = np.where(rng.random(n) < 0.01, "heldout", "train")
-        table = pa.table({"doc_id": names, "sentence_id": names, "text": pa.nulls(n, pa.string()), "tokens": tokens,
-                          "n_tokens": pa.array(lengths.astype(np.int32)), "source": pa.array(["generated"] * n),
-                          "split": pa.array(split)}, schema=SHARD_SCHEMA)
+        table = pa.table(
+            {
+                "doc_id": names,
+                "sentence_id": names,
+                "text": pa.nulls(n, pa.string()),
+                "tokens": tokens,
+                "n_tokens": pa.array(lengths.astype(np.int32)),
+                "source": pa.array(["generated"] * n),
+                "split": pa.array(split),
+            },
+            schema=SHARD_SCHEMA,
+        )
         pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
         written += int(lengths.sum())
     return written
@@ -90,13 +101,17 @@ def peak_rss_mb_of(code: str, *args: str) -> tuple[float, float, str]:
     import time
 
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", PEAK_REPORTER + "\n" + code, *args], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_REPORTER + "\n" + code, *args], capture_output=True, text=True, check=True
+    )
     seconds = time.perf_counter() - start
     lines = result.stdout.strip().splitlines()
     return seconds, json.loads(lines[-1])["peak_mb"], "\n".join(lines[:-1])
 
 
-def write_token_id_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000) -> int:
+def write_token_id_corpus(
+    out: Path, n_tokens: int, n_types: int = 500_000, seed: int = 0, shard_tokens: int = 10_000_000
+) -> int:
     """A token-id dataset (what `elmo vocab` writes under token_ids/train) of Zipfian sentences."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -106,8 +121,14 @@ def write_token_id_corpus(out: Path, n_tokens: int, n_types: int = 500_000, seed
     out.mkdir(parents=True, exist_ok=True)
     written = 0
     for shard, lengths, offsets, ids, tokens in _zipf_shards(n_tokens, n_types, seed, shard_tokens):
-        table = pa.table({"sentence_id": [f"{shard}:{i}" for i in range(len(lengths))], "tokens": tokens,
-                          "ids": pa.ListArray.from_arrays(offsets, pa.array((ids + 3).astype(np.int32)))}, schema=TOKEN_IDS_SCHEMA)
+        table = pa.table(
+            {
+                "sentence_id": [f"{shard}:{i}" for i in range(len(lengths))],
+                "tokens": tokens,
+                "ids": pa.ListArray.from_arrays(offsets, pa.array((ids + 3).astype(np.int32))),
+            },
+            schema=TOKEN_IDS_SCHEMA,
+        )
         pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
         written += int(lengths.sum())
     return written

@@ -43,7 +43,11 @@ def make_corpus(folder: Path, n_sentences: int, seed: int = 0) -> Path:
         for i in range(n_sentences):
             ids = np.minimum(rng.zipf(1.2, size=rng.integers(10, 41)) - 1, len(words) - 1)
             f.write(" ".join(words[ids]) + f" s{i}\n")
-    ingest(IngestConfig(sources=[str(folder / "text.txt")], out=str(folder / "ingest"), heldout_fraction=0.0, row_group_size=5000))
+    ingest(
+        IngestConfig(
+            sources=[str(folder / "text.txt")], out=str(folder / "ingest"), heldout_fraction=0.0, row_group_size=5000
+        )
+    )
     return folder / "ingest"
 
 
@@ -72,7 +76,11 @@ def main() -> None:
         model = make_model(root, args.shape)
         import pyarrow.parquet as pq
 
-        sentences = [s for shard in sorted(corpus.glob("part-*.parquet")) for s in pq.read_table(shard, columns=["tokens"]).column(0).to_pylist()]
+        sentences = [
+            s
+            for shard in sorted(corpus.glob("part-*.parquet"))
+            for s in pq.read_table(shard, columns=["tokens"]).column(0).to_pylist()
+        ]
         tokens = sum(len(s) for s in sentences)
         bilm = BiLM.from_pretrained(str(model))
         bilm.embed_sentences(sentences[:64])  # warm-up
@@ -92,9 +100,13 @@ def main() -> None:
         print(f"{args.shape} shape, {len(sentences):,} sentences, {tokens:,} tokens")
         print(f"{'':<34}{'seconds':>9}{'tok/s':>10}")
         print(f"{'raw embed_sentences (baseline)':<34}{raw:>9.1f}{tokens / raw:>10,.0f}")
-        print(f"{'elmo embed job (Parquet in/out)':<34}{job:>9.1f}{tokens / job:>10,.0f}   overhead {100 * (job - raw) / raw:+.1f}%")
+        print(
+            f"{'elmo embed job (Parquet in/out)':<34}{job:>9.1f}{tokens / job:>10,.0f}   overhead {100 * (job - raw) / raw:+.1f}%"
+        )
         for dtype, (_, size) in results.items():
-            print(f"bytes per token written ({dtype}, elmo column of {preset(args.shape).lstm.projection_dim * 2}): {size / tokens:,.0f}")
+            print(
+                f"bytes per token written ({dtype}, elmo column of {preset(args.shape).lstm.projection_dim * 2}): {size / tokens:,.0f}"
+            )
 
         print(f"\npeak memory of the job ({args.memory_shape} shape), as the input grows:")
         small_model = make_model(root, args.memory_shape)

@@ -91,12 +91,28 @@ def time_ours(bilm: BiLM, sentences: list[list[str]], repeats: int) -> tuple[flo
 
 def run_allennlp(model_dir: Path, sentences_file: Path, repeats: int) -> tuple[float, np.ndarray] | str:
     try:
-        python = subprocess.run(["bash", str(ROOT / "bench" / "allennlp_venv.sh")], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        python = (
+            subprocess.run(
+                ["bash", str(ROOT / "bench" / "allennlp_venv.sh")], check=True, capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     except subprocess.CalledProcessError as exc:
         return f"could not set up .venv-allennlp: {exc.stderr.strip()[-300:]}"
     out_file = model_dir / "allennlp.npz"
-    result = subprocess.run([str(ROOT / python), str(ROOT / "bench" / "allennlp_embed.py"), str(model_dir), str(sentences_file), str(out_file), str(repeats)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            str(ROOT / python),
+            str(ROOT / "bench" / "allennlp_embed.py"),
+            str(model_dir),
+            str(sentences_file),
+            str(out_file),
+            str(repeats),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         return f"AllenNLP run failed: {result.stderr.strip()[-500:]}"
     seconds = json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
@@ -115,8 +131,10 @@ def main() -> None:
     sentences = make_sentences()
     n_tokens = sum(len(s) for s in sentences)
     roofline = matmul_roofline()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}; "
-          f"{len(sentences)} sentences, {n_tokens} tokens; torch.matmul roofline {roofline:.1f} GFLOP/s")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}; "
+        f"{len(sentences)} sentences, {n_tokens} tokens; torch.matmul roofline {roofline:.1f} GFLOP/s"
+    )
     header = f"{'shape':<10}{'ours tok/s':>12}{'AllenNLP tok/s':>16}{'speed-up':>10}{'max |diff|':>12}{'GFLOP/s':>10}{'roofline %':>12}"
     print(header)
     print("-" * len(header))
@@ -145,7 +163,9 @@ def main() -> None:
                     base_tps = n_tokens / base_seconds
                     diff = max(float(np.abs(acts[i, :, : len(s)] - ours[i]).max()) for i, s in enumerate(sentences))
             speedup = ours_tps / base_tps if base_tps == base_tps else float("nan")
-            print(f"{shape:<10}{ours_tps:>12,.0f}{base_tps:>16,.0f}{speedup:>9.1f}x{diff:>12.1e}{gflops:>10.1f}{100 * gflops / roofline:>11.1f}%")
+            print(
+                f"{shape:<10}{ours_tps:>12,.0f}{base_tps:>16,.0f}{speedup:>9.1f}x{diff:>12.1e}{gflops:>10.1f}{100 * gflops / roofline:>11.1f}%"
+            )
             if note:
                 print(f"  ({note})")
 

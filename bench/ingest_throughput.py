@@ -64,10 +64,17 @@ def main() -> None:
         print(f"{'step':<42}{'seconds':>10}{'MB/s':>10}{'CPU s':>8}{'MB per CPU s':>14}")
         print(f"{'read lines (baseline)':<42}{raw:>10.1f}{size / raw:>10.1f}")
         print(f"{'elmo ingest (whitespace, dedup)':<42}{took:>10.1f}{size / took:>10.1f}{cpu:>8.1f}{size / cpu:>14.1f}")
-        print(f"{'  same, Unicode separators in every block':<42}{u_took:>10.1f}{unicode_size / u_took:>10.1f}{u_cpu:>8.1f}{unicode_size / u_cpu:>14.1f}")
-        print(f"ingest kept {summary.sentences:,} of {lines:,} lines ({summary.duplicates:,} duplicates), {summary.tokens:,} tokens")
+        print(
+            f"{'  same, Unicode separators in every block':<42}{u_took:>10.1f}{unicode_size / u_took:>10.1f}{u_cpu:>8.1f}{unicode_size / u_cpu:>14.1f}"
+        )
+        print(
+            f"ingest kept {summary.sentences:,} of {lines:,} lines ({summary.duplicates:,} duplicates), {summary.tokens:,} tokens"
+        )
         verdict = "meets" if size / cpu >= 20 else "misses"
-        print(f"per core: {size / cpu:.1f} MB per CPU second, {verdict} the target of 20 (ingest CPU time counts every thread)")
+        print(
+            f"per core: {size / cpu:.1f} MB per CPU second, {verdict} the target of 20 (ingest CPU time counts every thread)"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -42,7 +42,11 @@ def train_flops_per_token(config: ModelConfig, n_negatives: int, batch_tokens: i
     cnn, lstm = config.char_cnn, config.lstm
     p, h, f, d = lstm.projection_dim, lstm.dim, cnn.n_filters, cnn.embedding.dim
     c = cnn.max_characters_per_token
-    encoder = sum(2 * n * w * d * (c - w + 1) for w, n in cnn.filters) + cnn.n_highway * 4 * f * f + (2 * f * p if f != p else 0)
+    encoder = (
+        sum(2 * n * w * d * (c - w + 1) for w, n in cnn.filters)
+        + cnn.n_highway * 4 * f * f
+        + (2 * f * p if f != p else 0)
+    )
     per_direction = lstm.n_layers * 2 * (p * 4 * h + p * 4 * h + (h * p if p < h else 0))
     softmax = 2 * p * (n_negatives + 1)
     forward = 2 * encoder + 2 * per_direction + 2 * softmax  # encoder runs on both streams' tokens
@@ -58,8 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     roofline = matmul_roofline() if device.type == "cpu" else _cuda_roofline()
-    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; matmul roofline {roofline:,.0f} GFLOP/s"
-          f"{' (bf16)' if device.type == 'cuda' else ' (float32)'}")
+    print(
+        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; matmul roofline {roofline:,.0f} GFLOP/s"
+        f"{' (bf16)' if device.type == 'cuda' else ' (float32)'}"
+    )
     print(f"{'shape':<10}{'batch':>7}{'tok/s':>10}{'GFLOP/token':>13}{'GFLOP/s':>10}{'roofline %':>12}")
     with tempfile.TemporaryDirectory() as tmp:
         write_token_id_corpus(Path(tmp), 300_000, n_types=VOCAB - 3)
@@ -79,8 +85,15 @@ def main() -> None:
             times = []
             for step in range(args.steps + 1):
                 batch = next(batcher)
-                tensors = [torch.from_numpy(batch[k]).long().to(device) for k in
-                           ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")]
+                tensors = [
+                    torch.from_numpy(batch[k]).long().to(device)
+                    for k in (
+                        "tokens_characters",
+                        "tokens_characters_reverse",
+                        "next_token_id",
+                        "next_token_id_reverse",
+                    )
+                ]
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -99,7 +112,9 @@ def main() -> None:
             seconds = sorted(times)[len(times) // 2]
             tps = rows * 20 / seconds
             flops = train_flops_per_token(config, NEGATIVES, rows * 20)
-            print(f"{shape:<10}{rows:>7}{tps:>10,.0f}{flops / 1e9:>13.3f}{tps * flops / 1e9:>10,.1f}{100 * tps * flops / 1e9 / roofline:>11.1f}%")
+            print(
+                f"{shape:<10}{rows:>7}{tps:>10,.0f}{flops / 1e9:>13.3f}{tps * flops / 1e9:>10,.1f}{100 * tps * flops / 1e9 / roofline:>11.1f}%"
+            )
             del bilm, objective, optimizer
 
 

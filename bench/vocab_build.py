@@ -30,13 +30,27 @@ def main() -> None:
         corpus = Path(tmp) / "corpus"
         start = time.perf_counter()
         n = write_parquet_corpus(corpus, args.tokens)
-        print(f"corpus: {n:,} tokens in {len(list(corpus.glob('*.parquet')))} shards (generated in {time.perf_counter() - start:.0f} s)")
-        scan = ("import duckdb, sys; c = duckdb.connect(); "
-                "print(c.execute(\"SELECT count(*) FROM (SELECT unnest(tokens) FROM read_parquet($p))\", {'p': sys.argv[1]}).fetchone()[0])")
+        print(
+            f"corpus: {n:,} tokens in {len(list(corpus.glob('*.parquet')))} shards (generated in {time.perf_counter() - start:.0f} s)"
+        )
+        scan = (
+            "import duckdb, sys; c = duckdb.connect(); "
+            "print(c.execute(\"SELECT count(*) FROM (SELECT unnest(tokens) FROM read_parquet($p))\", {'p': sys.argv[1]}).fetchone()[0])"
+        )
         scan_s, scan_mb, _ = peak_rss_mb_of(scan, str(corpus / "*.parquet"))
         cli = "import sys; from elmo_core.cli import main; main(sys.argv[1:])"
-        vocab_s, vocab_mb, out = peak_rss_mb_of(cli, "vocab", "--corpus", str(corpus), "--db", str(Path(tmp) / "v" / "vocab.duckdb"),
-                                                "--min-count", "1", "--memory-limit", args.memory_limit)
+        vocab_s, vocab_mb, out = peak_rss_mb_of(
+            cli,
+            "vocab",
+            "--corpus",
+            str(corpus),
+            "--db",
+            str(Path(tmp) / "v" / "vocab.duckdb"),
+            "--min-count",
+            "1",
+            "--memory-limit",
+            args.memory_limit,
+        )
         print(f"{'step':<44}{'seconds':>10}{'peak MB':>10}")
         print(f"{'DuckDB scan of every token (baseline)':<44}{scan_s:>10.1f}{scan_mb:>10.0f}")
         print(f"{'elmo vocab (counts, vocab, char ids, stats, ids)':<44}{vocab_s:>10.1f}{vocab_mb:>10.0f}")

@@ -15,9 +15,10 @@ batches it would have yielded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -55,8 +56,16 @@ class _Unit:
 class SentenceStream:
     """Sentences of one direction as (ids, tokens) with boundaries, in a seeded order; position resumable."""
 
-    def __init__(self, files: list[Path], seed: int, rank: int = 0, world: int = 1, shuffle: bool = True,
-                 loop: bool = True, reverse: bool = False) -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = True,
+        loop: bool = True,
+        reverse: bool = False,
+    ) -> None:
         self.units = [_Unit(str(f), g) for f in files for g in range(pq.ParquetFile(f).num_row_groups)]
         if not self.units:
             raise InputError("no token-id row groups to read (is the split empty?)")
@@ -137,7 +146,10 @@ class _RowPacker:
         return inputs, targets, chars
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict(), "rows": [None if r is None else [list(r[0]), list(r[1])] for r in self.rows]}
+        return {
+            "stream": self.stream.state_dict(),
+            "rows": [None if r is None else [list(r[0]), list(r[1])] for r in self.rows],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -152,18 +164,36 @@ class LMBatcher:
     ``next_token_id`` (B, T), and the same with ``_reverse`` for the backward LM.
     """
 
-    def __init__(self, token_id_dir: str | Path, batch_size: int, unroll_steps: int, seed: int = 0,
-                 rank: int = 0, world: int = 1, bidirectional: bool = True, shuffle: bool = True,
-                 loop: bool = True, max_chars: int = MAX_CHARS) -> None:
+    def __init__(
+        self,
+        token_id_dir: str | Path,
+        batch_size: int,
+        unroll_steps: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        bidirectional: bool = True,
+        shuffle: bool = True,
+        loop: bool = True,
+        max_chars: int = MAX_CHARS,
+    ) -> None:
         files = sorted(Path(token_id_dir).glob("part-*.parquet"))
         if not files:
             raise InputError(f"{token_id_dir}: no token-id files (part-*.parquet); run `elmo vocab` first")
         chars = _CharTable(max_chars)
         self.loop = loop
-        self.forward = _RowPacker(SentenceStream(files, seed, rank, world, shuffle, loop), batch_size, unroll_steps, chars)
+        self.forward = _RowPacker(
+            SentenceStream(files, seed, rank, world, shuffle, loop), batch_size, unroll_steps, chars
+        )
         self.backward = (
-            _RowPacker(SentenceStream(files, seed + 7919, rank, world, shuffle, loop, reverse=True), batch_size, unroll_steps, chars)
-            if bidirectional else None
+            _RowPacker(
+                SentenceStream(files, seed + 7919, rank, world, shuffle, loop, reverse=True),
+                batch_size,
+                unroll_steps,
+                chars,
+            )
+            if bidirectional
+            else None
         )
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
@@ -183,7 +213,9 @@ class LMBatcher:
             return None
         batch = {"token_ids": fwd[0], "next_token_id": fwd[1], "tokens_characters": fwd[2]}
         if bwd is not None:
-            batch.update({"token_ids_reverse": bwd[0], "next_token_id_reverse": bwd[1], "tokens_characters_reverse": bwd[2]})
+            batch.update(
+                {"token_ids_reverse": bwd[0], "next_token_id_reverse": bwd[1], "tokens_characters_reverse": bwd[2]}
+            )
         return batch
 
     def state_dict(self) -> dict[str, Any]:

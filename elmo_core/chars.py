@@ -14,8 +14,8 @@ The strings ``<S>`` and ``</S>`` always get the sentence-boundary patterns (Alle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -106,6 +106,7 @@ def load_newest_valid(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
                 return path, payload
         damaged.append(f"{path} ({issue})")
     if damaged:
-        raise CheckpointError(f"no valid checkpoint in {checkpoint_dir(out)}: {'; '.join(damaged)}; "
-                              "delete them to start the run afresh")
+        raise CheckpointError(
+            f"no valid checkpoint in {checkpoint_dir(out)}: {'; '.join(damaged)}; delete them to start the run afresh"
+        )
     return None

@@ -15,8 +15,9 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -24,8 +25,18 @@ from pydantic_core import PydanticUndefined
 
 from elmo_core.config import load_config_file
 from elmo_core.errors import ConfigError, ElmoError
-from elmo_core.options import (DemoConfig, EmbedConfig, ExportConfig, IngestConfig, InfoConfig, Options, PerplexityConfig,
-                               QueryConfig, TrainConfig, VocabConfig)
+from elmo_core.options import (
+    DemoConfig,
+    EmbedConfig,
+    ExportConfig,
+    InfoConfig,
+    IngestConfig,
+    Options,
+    PerplexityConfig,
+    QueryConfig,
+    TrainConfig,
+    VocabConfig,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
@@ -70,7 +81,7 @@ _structured.__name__ = "JSON or file"
 
 
 def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], positional: tuple[str, ...] = ()) -> None:
-    """One argument per field of ``model``; values not given stay out of the namespace (so defaults stay the model's)."""
+    """One argument per field of ``model``; values not given stay out of the namespace (the model's defaults hold)."""
     for name, field in model.model_fields.items():
         kind, nullable = _unwrap_optional(field.annotation)
         default = field.default if field.default is not PydanticUndefined else None
@@ -147,17 +158,27 @@ def cmd_demo(config: DemoConfig) -> None:
         bilm = BiLM.from_pretrained(str(out))
         source = f"{out} (random weights: no trained model given and no fixture model in this checkout)"
     log.info("model: %s", source)
-    sentences = [line.split() for line in Path(config.input or PROBES).read_text(encoding="utf-8").splitlines() if line.strip()]
+    sentences = [
+        line.split() for line in Path(config.input or PROBES).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     start = time.perf_counter()
     vectors = bilm.embed_sentences(sentences)
     elapsed = time.perf_counter() - start
     n_tokens = sum(len(s) for s in sentences)
 
     # the polysemy probe: top-layer vectors of every "apple"/苹果 occurrence, compared pairwise
-    hits = [(i, t) for i, s in enumerate(sentences) for t, tok in enumerate(s) if tok.lower().startswith("apple") or tok == "苹果"]
+    hits = [
+        (i, t)
+        for i, s in enumerate(sentences)
+        for t, tok in enumerate(s)
+        if tok.lower().startswith("apple") or tok == "苹果"
+    ]
     print(f"model        {source}")
     print(f"layers       {bilm.num_layers} x {bilm.output_dim}")
-    print(f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s ({n_tokens / elapsed:,.0f} tokens/s)")
+    print(
+        f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s "
+        f"({n_tokens / elapsed:,.0f} tokens/s)"
+    )
     if hits:
         top = np.stack([vectors[i][-1, t] for i, t in hits])
         top /= np.linalg.norm(top, axis=1, keepdims=True)
@@ -176,11 +197,16 @@ def cmd_info(config: InfoConfig) -> None:
 
     bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)))
     cfg = bilm.config
-    n_params = sum(p.numel() for n, p in bilm.named_parameters() if not n.endswith("bias_hh_l0") and not n.startswith("softmax"))
-    print(f"{config.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, {cfg.char_cnn.n_filters} filters, "
-          f"{cfg.char_cnn.n_highway} highway, skip={cfg.lstm.use_skip_connections}, clips={cfg.lstm.cell_clip}/{cfg.lstm.proj_clip}, "
-          f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
-          f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}")
+    n_params = sum(
+        p.numel() for n, p in bilm.named_parameters() if not n.endswith("bias_hh_l0") and not n.startswith("softmax")
+    )
+    print(
+        f"{config.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, "
+        f"{cfg.char_cnn.n_filters} filters, {cfg.char_cnn.n_highway} highway, skip={cfg.lstm.use_skip_connections}, "
+        f"clips={cfg.lstm.cell_clip}/{cfg.lstm.proj_clip}, "
+        f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
+        f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}"
+    )
 
 
 def cmd_ingest(config: IngestConfig) -> None:
@@ -201,16 +227,21 @@ def cmd_vocab(config: VocabConfig) -> None:
 
     stats = build_vocab(config)
     vocab_txt = Path(config.db).with_name("vocab.txt")
-    print(f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens ({stats['train_types']:,} types); "
-          f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {config.db}, {vocab_txt}")
+    print(
+        f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens "
+        f"({stats['train_types']:,} types); "
+        f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {config.db}, {vocab_txt}"
+    )
 
 
 def cmd_train(config: TrainConfig) -> None:
     from elmo_core.train import describe_perplexity, train
 
     result = train(config)
-    print(f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} -> {result.model_dir}"
-          + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else ""))
+    print(
+        f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} "
+        f"-> {result.model_dir}" + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else "")
+    )
 
 
 def cmd_perplexity(config: PerplexityConfig) -> None:
@@ -224,15 +255,20 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
 
     bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)), device=config.device)
     if bilm.softmax is None or bilm.vocab is None:
-        raise ConfigError(f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt")
+        raise ConfigError(
+            f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt"
+        )
     shards = [str(p) for p in shard_paths(config.corpus)]
     if not shards:
         raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
     with tempfile.TemporaryDirectory() as tmp:
         write_token_ids(shards, bilm.vocab, Path(tmp))
         result = evaluate(bilm, Path(tmp) / config.split, config.batch_size, 20, config.max_batches)
-    print(f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
-          f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens of {config.corpus}")
+    print(
+        f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
+        f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens "
+        f"of {config.corpus}"
+    )
 
 
 def cmd_export(config: ExportConfig) -> None:
@@ -260,37 +296,79 @@ def cmd_query(config: QueryConfig) -> None:
         raise ConfigError("give --token (with --sentence or --sentence-id), or --similar-to SENTENCE_ID")
     sid, index, text = store.locate(config.token, config.sentence, config.sentence_id)
     print(f"nearest to {config.token!r} (token {index}) in: {text}")
-    for n in store.nearest_tokens(config.token, config.sentence, config.sentence_id, config.k, config.layer, config.like):
+    for n in store.nearest_tokens(
+        config.token, config.sentence, config.sentence_id, config.k, config.layer, config.like
+    ):
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
 
 # name: (options model, handler, positional fields, one-line help, description with an example)
 COMMANDS: dict[str, tuple[type[Options], Callable[[Any], None], tuple[str, ...], str, str]] = {
-    "demo": (DemoConfig, cmd_demo, (), "embed the probe sentences and print a summary",
-             "Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the 'apple' contexts. "
-             "Example: elmo demo --model path/to/model_dir"),
-    "ingest": (IngestConfig, cmd_ingest, ("sources",), "corpus files -> tokenized, deduplicated Parquet",
-               "Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL or Parquet "
-               "files, folders or globs; write OUT/part-*.parquet and OUT/_manifest.duckdb. Re-running skips files already "
-               "ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest"),
-    "vocab": (VocabConfig, cmd_vocab, (), "vocabulary, char ids and token ids in DuckDB",
-              "Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, corpus_stats to "
-              "--db, vocab.txt beside it, and token ids per split under token_ids/. "
-              "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3"),
-    "train": (TrainConfig, cmd_train, (), "train or fine-tune the biLM",
-              "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
-              "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
-              "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small"),
-    "perplexity": (PerplexityConfig, cmd_perplexity, (), "full-softmax perplexity of a model on a corpus",
-                   "Example: elmo perplexity --model data/train/model --corpus data/ingest"),
-    "export": (ExportConfig, cmd_export, (), "checkpoint -> bilm-tf/AllenNLP model directory",
-               "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo"),
-    "embed": (EmbedConfig, cmd_embed, (), "corpus -> contextual vectors in Parquet",
-              "Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per token (or per "
-              "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
-              "Example: elmo embed --model data/train/model --input data/ingest --out data/embed"),
-    "query": (QueryConfig, cmd_query, ("embeddings",), "nearest tokens-in-context / similar sentences with DuckDB",
-              "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'"),
+    "demo": (
+        DemoConfig,
+        cmd_demo,
+        (),
+        "embed the probe sentences and print a summary",
+        "Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the 'apple' contexts. "
+        "Example: elmo demo --model path/to/model_dir",
+    ),
+    "ingest": (
+        IngestConfig,
+        cmd_ingest,
+        ("sources",),
+        "corpus files -> tokenized, deduplicated Parquet",
+        "Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL or Parquet "
+        "files, folders or globs; write OUT/part-*.parquet and OUT/_manifest.duckdb. Re-running skips files already "
+        "ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest",
+    ),
+    "vocab": (
+        VocabConfig,
+        cmd_vocab,
+        (),
+        "vocabulary, char ids and token ids in DuckDB",
+        "Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, corpus_stats to "
+        "--db, vocab.txt beside it, and token ids per split under token_ids/. "
+        "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3",
+    ),
+    "train": (
+        TrainConfig,
+        cmd_train,
+        (),
+        "train or fine-tune the biLM",
+        "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
+        "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
+        "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small",
+    ),
+    "perplexity": (
+        PerplexityConfig,
+        cmd_perplexity,
+        (),
+        "full-softmax perplexity of a model on a corpus",
+        "Example: elmo perplexity --model data/train/model --corpus data/ingest",
+    ),
+    "export": (
+        ExportConfig,
+        cmd_export,
+        (),
+        "checkpoint -> bilm-tf/AllenNLP model directory",
+        "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo",
+    ),
+    "embed": (
+        EmbedConfig,
+        cmd_embed,
+        (),
+        "corpus -> contextual vectors in Parquet",
+        "Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per token (or per "
+        "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
+        "Example: elmo embed --model data/train/model --input data/ingest --out data/embed",
+    ),
+    "query": (
+        QueryConfig,
+        cmd_query,
+        ("embeddings",),
+        "nearest tokens-in-context / similar sentences with DuckDB",
+        "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'",
+    ),
     "info": (InfoConfig, cmd_info, ("model",), "describe a model directory", "Example: elmo info data/export"),
 }
 
@@ -311,7 +389,9 @@ def _configure_logging(verbose: bool) -> None:
     if sys.stderr.isatty():
         from rich.logging import RichHandler
 
-        logging.basicConfig(level=level, format="%(message)s", handlers=[RichHandler(show_path=False, rich_tracebacks=False)])
+        logging.basicConfig(
+            level=level, format="%(message)s", handlers=[RichHandler(show_path=False, rich_tracebacks=False)]
+        )
     else:
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("alembic", "urllib3", "git", "httpx"):

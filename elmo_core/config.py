@@ -7,8 +7,9 @@ softmax size when the model carries one. It round-trips through ``options.json``
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -39,7 +40,7 @@ class CharCNNConfig(_Strict):
     n_characters: int = Field(N_CHARS, ge=261, le=262)
 
     @model_validator(mode="after")
-    def _check_filters(self) -> "CharCNNConfig":
+    def _check_filters(self) -> CharCNNConfig:
         for f in self.filters:
             if len(f) != 2 or f[0] <= 0 or f[1] <= 0:
                 raise ValueError(f"each filter must be [width, count] with positive ints, got {f}")
@@ -61,7 +62,7 @@ class LstmConfig(_Strict):
     use_skip_connections: bool = True
 
     @model_validator(mode="after")
-    def _check_projection(self) -> "LstmConfig":
+    def _check_projection(self) -> LstmConfig:
         if self.projection_dim > self.dim:
             raise ValueError(f"projection_dim {self.projection_dim} must not exceed dim {self.dim}")
         return self
@@ -81,7 +82,7 @@ class ModelConfig(_Strict):
     n_tokens_vocab: int | None = Field(None, gt=0, description="softmax rows; None = no softmax")
 
     @model_validator(mode="after")
-    def _check_projection(self) -> "ModelConfig":
+    def _check_projection(self) -> ModelConfig:
         if self.char_cnn.n_filters < self.lstm.projection_dim:
             raise ValueError(
                 f"char CNN has {self.char_cnn.n_filters} filters, fewer than projection_dim "
@@ -91,7 +92,7 @@ class ModelConfig(_Strict):
 
     # ----- options.json ---------------------------------------------------------------------------
     @classmethod
-    def from_options(cls, options: dict[str, Any], source: str = "options") -> "ModelConfig":
+    def from_options(cls, options: dict[str, Any], source: str = "options") -> ModelConfig:
         if "char_cnn" not in options:
             raise ConfigError(
                 f"{source}: no 'char_cnn' section; word-input biLMs are not supported "
@@ -165,7 +166,9 @@ def tiny() -> ModelConfig:
 def mini() -> ModelConfig:
     """2x256_64_240cnn_1xhighway: the main job's CPU-sized model (learns the default corpus in minutes on 2 cores)."""
     return ModelConfig(
-        char_cnn=CharCNNConfig(embedding=CharEmbeddingConfig(dim=8), filters=[[1, 16], [2, 32], [3, 64], [4, 128]], n_highway=1),
+        char_cnn=CharCNNConfig(
+            embedding=CharEmbeddingConfig(dim=8), filters=[[1, 16], [2, 32], [3, 64], [4, 128]], n_highway=1
+        ),
         lstm=LstmConfig(dim=256, projection_dim=64, n_layers=2),
     )
 
@@ -194,7 +197,13 @@ def original() -> ModelConfig:
     )
 
 
-PRESETS: dict[str, Callable[[], ModelConfig]] = {"tiny": tiny, "mini": mini, "small": small, "medium": medium, "original": original}
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": tiny,
+    "mini": mini,
+    "small": small,
+    "medium": medium,
+    "original": original,
+}
 
 
 def preset(name: PresetName) -> ModelConfig:

@@ -26,9 +26,10 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -40,7 +41,7 @@ import torch
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.inference import StateCarry, TokenCache, length_batches
-from elmo_core.ingest import ingest, manifest_path, shard_paths, find_inputs
+from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM
 from elmo_core.options import EmbedConfig, IngestConfig
 from elmo_core.precision import autocast, resolve_precision
@@ -127,8 +128,11 @@ def _no_shards_reason(dataset: Path) -> str:
     failed = [(p, e) for p, status, e, _ in rows if status == "failed"]
     if failed:
         first = failed[0][1] or "failed"
-        return f"every input was rejected ({len(failed)} files; first: {first})" if len(failed) == len(rows) else \
-            f"its inputs gave no sentences ({len(failed)} rejected; first: {first})"
+        return (
+            f"every input was rejected ({len(failed)} files; first: {first})"
+            if len(failed) == len(rows)
+            else f"its inputs gave no sentences ({len(failed)} rejected; first: {first})"
+        )
     return "its inputs held no sentences" if rows else "no input was ingested into it"
 
 
@@ -142,8 +146,15 @@ def _text_input(config: EmbedConfig, work: Path) -> Path:
     if corpus.exists() and not (marker.exists() and marker.read_text() == sources):
         shutil.rmtree(corpus)
     if not marker.exists():
-        summary = ingest(IngestConfig(sources=[str(p) for p in inputs], out=str(corpus), tokenizer=config.tokenizer,
-                                      dedup=False, heldout_fraction=0.0))
+        summary = ingest(
+            IngestConfig(
+                sources=[str(p) for p in inputs],
+                out=str(corpus),
+                tokenizer=config.tokenizer,
+                dedup=False,
+                heldout_fraction=0.0,
+            )
+        )
         if summary.errors:
             more = f" (and {len(summary.errors) - 1} more)" if len(summary.errors) > 1 else ""
             raise InputError(f"{summary.errors[0]}{more}; fix or remove the file and run again")
@@ -161,8 +172,10 @@ def resolve_input(config: EmbedConfig, work: Path) -> tuple[Path, list[Path]]:
     if source.is_dir() and shard_paths(source):
         return source, shard_paths(source)
     if source.is_dir() and (manifest_path(source)).exists():
-        raise InputError(f"{source}: an ingested dataset with no shards: {_no_shards_reason(source)}; fix its inputs and "
-                         "rerun `elmo ingest`")
+        raise InputError(
+            f"{source}: an ingested dataset with no shards: {_no_shards_reason(source)}; fix its inputs and "
+            "rerun `elmo ingest`"
+        )
     corpus = _text_input(config, work)
     return corpus, shard_paths(corpus)
 
@@ -223,13 +236,17 @@ def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
     if entries:
         if current is None and not any((out / name).exists() for name in LEGACY_FILES):
             strangers = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
-            raise OutputError(f"{out}: holds files that `elmo embed` did not write ({strangers}); use a new or empty --out folder")
+            raise OutputError(
+                f"{out}: holds files that `elmo embed` did not write ({strangers}); use a new or empty --out folder"
+            )
         differs = _differences(current, job) if current is not None else "written by an earlier version of elmo embed"
         if not differs:
             return out  # the same job: resume it (or find it done)
         if not overwrite:
-            raise OutputError(f"{out} holds embeddings of another job ({differs}); use a new --out folder, "
-                              "or --overwrite to replace its table")
+            raise OutputError(
+                f"{out} holds embeddings of another job ({differs}); use a new --out folder, "
+                "or --overwrite to replace its table"
+            )
         target = work / "next"
         if _read_job(target) != job:  # unless an interrupted replacement by this very job: resume that
             shutil.rmtree(target, ignore_errors=True)
@@ -258,10 +275,16 @@ def prepare(config: EmbedConfig) -> Job:
         units = plan_units(shards, config.unit_tokens, config.split)
         if not units:
             raise InputError(f"{config.input}: no {config.split} sentences to embed")
-        identity = {"model_id": model_id(model_dir), "model": config.model,
-                    "input": {"path": str(corpus.resolve()), "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards]},
-                    "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
-                    "units": [u.name for u in units]}
+        identity = {
+            "model_id": model_id(model_dir),
+            "model": config.model,
+            "input": {
+                "path": str(corpus.resolve()),
+                "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],
+            },
+            "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
+            "units": [u.name for u in units],
+        }
         target = _claim(out, work, identity, config.overwrite)
     except BaseException:
         if made_work:
@@ -279,7 +302,13 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
     if config.pool == "mean":
         head = [("doc_id", pa.string()), ("sentence_id", pa.string()), ("n_tokens", pa.int32()), ("text", pa.string())]
     else:
-        head = [("doc_id", pa.string()), ("sentence_id", pa.string()), ("token_index", pa.int32()), ("token", pa.string()), ("text", pa.string())]
+        head = [
+            ("doc_id", pa.string()),
+            ("sentence_id", pa.string()),
+            ("token_index", pa.int32()),
+            ("token", pa.string()),
+            ("text", pa.string()),
+        ]
     return pa.schema([*head, *[(n, vector) for n in names], ("model_id", pa.string())])
 
 
@@ -291,7 +320,11 @@ class Embedder:
 
     def __init__(self, config: EmbedConfig, model_dir: Path) -> None:
         self.config = config
-        device = "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
+        device = (
+            "cuda"
+            if config.device == "auto" and torch.cuda.is_available()
+            else ("cpu" if config.device == "auto" else config.device)
+        )
         self.bilm = BiLM.from_pretrained(str(model_dir), device=device)
         self.precision = resolve_precision(config.precision, self.bilm.device)
         self.model_id = model_id(model_dir)
@@ -308,15 +341,22 @@ class Embedder:
         if target.exists():
             return UnitResult(unit.name, pq.ParquetFile(target).metadata.num_rows, 0, 0.0, skipped=True)
         started = time.perf_counter()
-        group = pq.ParquetFile(unit.shard).read_row_group(unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"])
+        group = pq.ParquetFile(unit.shard).read_row_group(
+            unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"]
+        )
         group = group.slice(unit.start, unit.stop - unit.start)
         if self.config.split != "all":
             group = group.filter(pc.equal(group.column("split"), self.config.split))
         sentences = group.column("tokens").to_pylist()
         rows = 0
         with atomic_path(target) as tmp:
-            with pq.ParquetWriter(tmp, self.schema, compression="zstd", compression_level=1,
-                                  use_dictionary=["doc_id", "text", "model_id", "token"]) as writer:
+            with pq.ParquetWriter(
+                tmp,
+                self.schema,
+                compression="zstd",
+                compression_level=1,
+                use_dictionary=["doc_id", "text", "model_id", "token"],
+            ) as writer:
                 for table in self._tables(group, sentences):
                     writer.write_table(table)
                     rows += table.num_rows
@@ -347,11 +387,15 @@ class Embedder:
         for batch in self._batches(sentences):
             ids = cache.ids([sentences[i] for i in batch]).to(bilm.device)
             with autocast(bilm.device, self.precision):
-                layers, counts, state = bilm.token_rows(ids, state=carry.take(len(batch)) if carry else None, token_table=table)
+                layers, counts, state = bilm.token_rows(
+                    ids, state=carry.take(len(batch)) if carry else None, token_table=table
+                )
             if carry is not None:
                 carry.keep(state)
             stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P)
-            vectors = stacked if self.config.layers == "all" else (self.mix[:, None, None] * stacked).sum(0, keepdim=True)
+            vectors = (
+                stacked if self.config.layers == "all" else (self.mix[:, None, None] * stacked).sum(0, keepdim=True)
+            )
             yield self._table(group, np.asarray(batch), counts.cpu().numpy(), vectors)
 
     def _table(self, group: pa.Table, batch: np.ndarray, counts: np.ndarray, vectors: torch.Tensor) -> pa.Table:
@@ -359,18 +403,30 @@ class Embedder:
         width = vectors.shape[-1]
         picked = pa.array(batch)
         if self.config.pool == "mean":
-            sentence = torch.repeat_interleave(torch.arange(len(batch), device=vectors.device), torch.from_numpy(counts).to(vectors.device))
+            sentence = torch.repeat_interleave(
+                torch.arange(len(batch), device=vectors.device), torch.from_numpy(counts).to(vectors.device)
+            )
             sums = vectors.new_zeros(vectors.shape[0], len(batch), width).index_add_(1, sentence, vectors)
-            values = (sums / torch.from_numpy(np.maximum(counts, 1)).to(sums)[None, :, None]).cpu().numpy().astype(dtype)
-            data: dict[str, Any] = {"doc_id": group.column("doc_id").take(picked), "sentence_id": group.column("sentence_id").take(picked),
-                                    "n_tokens": pa.array(counts.astype(np.int32)), "text": group.column("text").take(picked)}
+            values = (
+                (sums / torch.from_numpy(np.maximum(counts, 1)).to(sums)[None, :, None]).cpu().numpy().astype(dtype)
+            )
+            data: dict[str, Any] = {
+                "doc_id": group.column("doc_id").take(picked),
+                "sentence_id": group.column("sentence_id").take(picked),
+                "n_tokens": pa.array(counts.astype(np.int32)),
+                "text": group.column("text").take(picked),
+            }
             n_rows = len(batch)
         else:
             rows = pa.array(np.repeat(batch, counts))
             token_index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            data = {"doc_id": group.column("doc_id").take(rows), "sentence_id": group.column("sentence_id").take(rows),
-                    "token_index": pa.array(token_index.astype(np.int32)),
-                    "token": pc.list_flatten(group.column("tokens").take(picked)), "text": group.column("text").take(rows)}
+            data = {
+                "doc_id": group.column("doc_id").take(rows),
+                "sentence_id": group.column("sentence_id").take(rows),
+                "token_index": pa.array(token_index.astype(np.int32)),
+                "token": pc.list_flatten(group.column("tokens").take(picked)),
+                "text": group.column("text").take(rows),
+            }
             values = vectors.cpu().numpy().astype(dtype)
             n_rows = int(counts.sum())
         for name, layer in zip(self.names, values):
@@ -390,17 +446,26 @@ class EmbedSummary:
     unit_seconds: list[float]
 
     def line(self) -> str:
-        per_unit = (f"; {np.mean(self.unit_seconds):.1f} s per unit (slowest {max(self.unit_seconds):.1f} s)"
-                    if self.unit_seconds else "")
-        return (f"embed: {self.units} units ({self.units_done_before} already done), {self.rows:,} rows, "
-                f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s"
-                f"{per_unit}) -> {self.out}")
+        per_unit = (
+            f"; {np.mean(self.unit_seconds):.1f} s per unit (slowest {max(self.unit_seconds):.1f} s)"
+            if self.unit_seconds
+            else ""
+        )
+        return (
+            f"embed: {self.units} units ({self.units_done_before} already done), {self.rows:,} rows, "
+            f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s"
+            f"{per_unit}) -> {self.out}"
+        )
 
 
 def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
     """Write the manifest; under ``--overwrite`` swap the new table in for the old one (then delete the old)."""
-    manifest = {"units": [asdict(r) for r in results], "rows": sum(r.rows for r in results), "files": len(results),
-                "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {
+        "units": [asdict(r) for r in results],
+        "rows": sum(r.rows for r in results),
+        "files": len(results),
+        "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     write_text_atomic(job.target / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
     if job.replaces:
         old = job.work / f"replaced-{time.strftime('%Y%m%d%H%M%S')}"
@@ -409,8 +474,15 @@ def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
         shutil.rmtree(old)
         log.info("replaced the table in %s", job.out)
     done = [r for r in results if not r.skipped]
-    return EmbedSummary(len(results), len(results) - len(done), manifest["rows"], sum(r.tokens for r in done), seconds,
-                        job.out, [r.seconds for r in done])
+    return EmbedSummary(
+        len(results),
+        len(results) - len(done),
+        manifest["rows"],
+        sum(r.tokens for r in done),
+        seconds,
+        job.out,
+        [r.seconds for r in done],
+    )
 
 
 def embed(config: EmbedConfig) -> EmbedSummary:

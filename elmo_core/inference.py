@@ -12,7 +12,8 @@ The biLM is passed in (a ``model.BiLM``); this module sits below the model and n
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ class TokenCache:
         self.index = {word: i + 1 for i, word in enumerate(self.words)}
 
     @classmethod
-    def of_sentences(cls, bilm: Any, sentences: Sequence[Sequence[str]]) -> "TokenCache":
+    def of_sentences(cls, bilm: Any, sentences: Sequence[Sequence[str]]) -> TokenCache:
         return cls(bilm, sorted({token for sentence in sentences for token in sentence}))
 
     def ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
@@ -86,8 +87,10 @@ class StateCarry:
         if h.shape[2] >= batch:
             return h[:, :, :batch], c[:, :, :batch]
         grow = batch - h.shape[2]
-        return (torch.cat([h, h.new_zeros(*h.shape[:2], grow, h.shape[3])], dim=2),
-                torch.cat([c, c.new_zeros(*c.shape[:2], grow, c.shape[3])], dim=2))
+        return (
+            torch.cat([h, h.new_zeros(*h.shape[:2], grow, h.shape[3])], dim=2),
+            torch.cat([c, c.new_zeros(*c.shape[:2], grow, c.shape[3])], dim=2),
+        )
 
     def keep(self, new_state: LstmState) -> None:
         """Store a call's final state; rows beyond its batch keep what they had."""
@@ -127,7 +130,10 @@ def embed_sentences(
     if stateful and carry is None:
         carry = StateCarry()
     if carry is not None:
-        batches = [list(range(start, min(start + batch_size, len(sentences)))) for start in range(0, len(sentences), batch_size)]
+        batches = [
+            list(range(start, min(start + batch_size, len(sentences))))
+            for start in range(0, len(sentences), batch_size)
+        ]
     else:
         batches = length_batches([len(s) for s in sentences], max_batch_tokens, batch_size)
     results: list[np.ndarray | None] = [None] * len(sentences)

@@ -26,10 +26,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import duckdb
 import numpy as np
@@ -41,7 +41,7 @@ from elmo_core.errors import ElmoError, InputError, OutputError
 from elmo_core.fileio import file_sha256, publish, temp_path
 from elmo_core.options import DATASET_OPTIONS, IngestConfig
 from elmo_core.progress import Progress, track
-from elmo_core.tokenize import TokenizerName, get_tokenizer, split_sentences, split_whitespace
+from elmo_core.tokenize import get_tokenizer, split_sentences, split_whitespace
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class IngestSummary:
     def line(self) -> str:
         mb = self.bytes_read / 1e6
         return (
-            f"ingest: {self.files_ingested} files ingested, {self.files_skipped} unchanged, {self.files_failed} failed; "
+            f"ingest: {self.files_ingested} files ingested, {self.files_skipped} unchanged, "
+            f"{self.files_failed} failed; "
             f"{self.sentences:,} sentences, {self.tokens:,} tokens, {self.duplicates:,} duplicates dropped, "
             f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8; "
             f"{mb:,.1f} MB in {self.seconds:.1f} s ({mb / max(self.seconds, 1e-9):,.1f} MB/s)"
@@ -152,10 +153,48 @@ def file_format(path: Path) -> str:
 
 
 # Files a corpus folder often holds beside its text, which must not be read as sentences.
-NOT_CORPUS_NAMES = ("readme", "license", "licence", "copying", "notice", "changelog", "authors", "contributing", "makefile")
-NOT_CORPUS_SUFFIXES = (".md", ".rst", ".html", ".htm", ".pdf", ".doc", ".docx", ".py", ".sh", ".yaml", ".yml", ".toml",
-                       ".cfg", ".ini", ".xml", ".png", ".jpg", ".jpeg", ".gif", ".zip", ".tar", ".tgz", ".duckdb", ".pt",
-                       ".hdf5", ".h5", ".pkl", ".npy", ".log")
+NOT_CORPUS_NAMES = (
+    "readme",
+    "license",
+    "licence",
+    "copying",
+    "notice",
+    "changelog",
+    "authors",
+    "contributing",
+    "makefile",
+)
+NOT_CORPUS_SUFFIXES = (
+    ".md",
+    ".rst",
+    ".html",
+    ".htm",
+    ".pdf",
+    ".doc",
+    ".docx",
+    ".py",
+    ".sh",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".cfg",
+    ".ini",
+    ".xml",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".gif",
+    ".zip",
+    ".tar",
+    ".tgz",
+    ".duckdb",
+    ".pt",
+    ".hdf5",
+    ".h5",
+    ".pkl",
+    ".npy",
+    ".log",
+)
 
 
 def _looks_like_corpus(path: Path) -> bool:
@@ -176,12 +215,20 @@ def find_inputs(sources: list[str]) -> list[Path]:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            files = [p for p in sorted(path.rglob("*")) if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
+            files = [
+                p
+                for p in sorted(path.rglob("*"))
+                if p.is_file() and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+            ]
             strangers = [p for p in files if not _looks_like_corpus(p)]
             if strangers:
-                names = ", ".join(str(p.relative_to(path)) for p in strangers[:5]) + (", …" if len(strangers) > 5 else "")
-                raise InputError(f"{path}: holds files that are not corpus text ({names}); name the corpus files or a glob "
-                                 f"such as '{path}/*.txt', or move those files out")
+                names = ", ".join(str(p.relative_to(path)) for p in strangers[:5]) + (
+                    ", …" if len(strangers) > 5 else ""
+                )
+                raise InputError(
+                    f"{path}: holds files that are not corpus text ({names}); name the corpus files or a glob "
+                    f"such as '{path}/*.txt', or move those files out"
+                )
             found.extend(files)
         else:
             matches = sorted(Path(m) for m in glob.glob(source, recursive=True) if Path(m).is_file())
@@ -302,14 +349,19 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
         if config.text_column not in pf.schema_arrow.names:
-            raise InputError(f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text-column")
+            raise InputError(
+                f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                "use --text-column"
+            )
         row = 0
         for batch in pf.iter_batches(columns=[config.text_column], batch_size=65_536):
             for value in batch.column(0).to_pylist():
                 row += 1
                 if not isinstance(value, str):
                     stats.rejected_lines += 1
-                    stats.example(f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text")
+                    stats.example(
+                        f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text"
+                    )
                     continue
                 yield f"r{row}", value
         return
@@ -327,7 +379,9 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
             value = obj.get(config.text_field) if isinstance(obj, dict) else None
             if not isinstance(value, str):
                 stats.rejected_lines += 1
-                stats.example(f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field")
+                stats.example(
+                    f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field"
+                )
                 continue
             yield f"l{line_no}", value
         return
@@ -427,14 +481,21 @@ class _ShardWriter:
 
     BATCH = 20_000
 
-    def __init__(self, path: Path, key: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats) -> None:
+    def __init__(
+        self, path: Path, key: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
+    ) -> None:
         self.key, self.config, self.stats, self.source, self.con = key, config, stats, str(path), con
         self.tokenize = get_tokenizer(config.tokenizer)
         # zstd level 1 and no dictionary for the mostly-unique columns: writing is most of the cost of ingest
         # and min/max statistics only where a filter can use them (not on unique ids and texts)
-        self.writer = pq.ParquetWriter(tmp, SHARD_SCHEMA, compression="zstd", compression_level=1,
-                                       use_dictionary=["tokens.list.element", "source", "split"],
-                                       write_statistics=["n_tokens", "source", "split"])
+        self.writer = pq.ParquetWriter(
+            tmp,
+            SHARD_SCHEMA,
+            compression="zstd",
+            compression_level=1,
+            use_dictionary=["tokens.list.element", "source", "split"],
+            write_statistics=["n_tokens", "source", "split"],
+        )
         self.records: list[str] = []  # a label per text: "l<line>" or "r<row>" (JSONL lines, Parquet rows)
         self.texts: list[str] = []
         self._in_file = _HashSet()  # hashes of the sentences kept from this file
@@ -467,7 +528,9 @@ class _ShardWriter:
             self.texts, self.records = [], []
             self._write(texts, records, one_per_record=not self.config.split_sentences)
 
-    def _write(self, texts: pa.StringArray, records: pa.StringArray, one_per_record: bool, source: bytes | None = None) -> None:
+    def _write(
+        self, texts: pa.StringArray, records: pa.StringArray, one_per_record: bool, source: bytes | None = None
+    ) -> None:
         if not len(texts):
             return
         texts = pc.utf8_trim_whitespace(texts)  # also drops the newline, and the \r of CRLF files
@@ -482,7 +545,12 @@ class _ShardWriter:
         if empty.any():  # blank lines, or text without a single token
             self.stats.empty_lines += int(empty.sum())
             nonempty = np.flatnonzero(~empty)
-            texts, tokens, counts, records = texts.take(nonempty), tokens.take(nonempty), counts[nonempty], records.take(nonempty)
+            texts, tokens, counts, records = (
+                texts.take(nonempty),
+                tokens.take(nonempty),
+                counts[nonempty],
+                records.take(nonempty),
+            )
         if (counts > self.config.max_tokens).any():
             texts, tokens, records = self._split_long(texts, tokens, records, counts)
             counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
@@ -532,7 +600,9 @@ class _ShardWriter:
         keep[first[fresh]] = True
         return keep
 
-    def _split_long(self, texts: pa.Array, tokens: pa.Array, records: pa.StringArray, counts: np.ndarray) -> tuple[pa.Array, pa.Array, pa.StringArray]:
+    def _split_long(
+        self, texts: pa.Array, tokens: pa.Array, records: pa.StringArray, counts: np.ndarray
+    ) -> tuple[pa.Array, pa.Array, pa.StringArray]:
         """Split rows longer than ``max_tokens`` into pieces, each a sentence of its own (rare: plain Python)."""
         limit = self.config.max_tokens
         out_texts: list[str] = []
@@ -550,7 +620,11 @@ class _ShardWriter:
                 out_texts.append(" ".join(piece))
                 out_tokens.append(piece)
                 out_records.append(record)
-        return pa.array(out_texts, pa.string()), pa.array(out_tokens, pa.list_(pa.string())), pa.array(out_records, pa.string())
+        return (
+            pa.array(out_texts, pa.string()),
+            pa.array(out_tokens, pa.list_(pa.string())),
+            pa.array(out_records, pa.string()),
+        )
 
     def close(self) -> np.ndarray:
         """Finish the ``.tmp`` file; returns the hashes of the kept sentences."""
@@ -563,7 +637,9 @@ class _ShardWriter:
         return self._in_file.values()
 
 
-def _write_shard(path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats) -> np.ndarray:
+def _write_shard(
+    path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
+) -> np.ndarray:
     """Tokenize and dedup one file into ``tmp``; returns the kept sentences' hashes."""
     writer = _ShardWriter(path, key, config, tmp, con, stats)
     try:
@@ -611,7 +687,11 @@ def dataset_options(out: str | Path) -> dict | None:
         return None
     con = duckdb.connect(str(path), read_only=True)
     try:
-        rows = con.execute(GET_OPTIONS).fetchall() if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'options'").fetchone()[0] else []
+        rows = (
+            con.execute(GET_OPTIONS).fetchall()
+            if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'options'").fetchone()[0]
+            else []
+        )
     finally:
         con.close()
     return json.loads(rows[0][0]) if rows else None
@@ -627,8 +707,10 @@ def _check_options(con: duckdb.DuckDBPyConnection, out: Path, config: IngestConf
     stored = json.loads(row[0][0])
     changed = [f"{k}: {stored.get(k)!r} → {v!r}" for k, v in wanted.items() if stored.get(k) != v]
     if changed:
-        raise OutputError(f"{out}: this dataset was ingested with other options ({'; '.join(changed)}); "
-                          "ingest into a new --out folder, or use the dataset's options")
+        raise OutputError(
+            f"{out}: this dataset was ingested with other options ({'; '.join(changed)}); "
+            "ingest into a new --out folder, or use the dataset's options"
+        )
 
 
 def ingest(config: IngestConfig) -> IngestSummary:
@@ -660,8 +742,17 @@ def ingest(config: IngestConfig) -> IngestSummary:
     return summary
 
 
-def _ingest_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, out: Path, path: Path, stat: os.stat_result,
-                 label: str, summary: IngestSummary, progress: Progress, done_bytes: int) -> None:
+def _ingest_file(
+    con: duckdb.DuckDBPyConnection,
+    config: IngestConfig,
+    out: Path,
+    path: Path,
+    stat: os.stat_result,
+    label: str,
+    summary: IngestSummary,
+    progress: Progress,
+    done_bytes: int,
+) -> None:
     """One input file into its shard and the manifest (or skipped: already done; or failed, counted)."""
     if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
         summary.files_skipped += 1
@@ -705,17 +796,39 @@ def _token_count(shard: Path) -> int:
     return int(pc.sum(table.column(0)).as_py() or 0)
 
 
-def _file_row(sha: str, path: Path, stat: os.stat_result, stats: FileStats, status: str, error: str | None, shard: str | None) -> dict:
+def _file_row(
+    sha: str, path: Path, stat: os.stat_result, stats: FileStats, status: str, error: str | None, shard: str | None
+) -> dict:
     return {
-        "sha256": sha, "path": str(path), "size": stat.st_size, "mtime": stat.st_mtime, "format": stats.format,
-        "records": stats.records, "sentences": stats.sentences, "duplicates": stats.duplicates,
-        "rejected_lines": stats.rejected_lines, "invalid_utf8_lines": stats.invalid_utf8_lines,
-        "empty_lines": stats.empty_lines, "split_long": stats.split_long, "status": status, "error": error, "shard": shard,
+        "sha256": sha,
+        "path": str(path),
+        "size": stat.st_size,
+        "mtime": stat.st_mtime,
+        "format": stats.format,
+        "records": stats.records,
+        "sentences": stats.sentences,
+        "duplicates": stats.duplicates,
+        "rejected_lines": stats.rejected_lines,
+        "invalid_utf8_lines": stats.invalid_utf8_lines,
+        "empty_lines": stats.empty_lines,
+        "split_long": stats.split_long,
+        "status": status,
+        "error": error,
+        "shard": shard,
     }
 
 
-def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, tmp: Path, shard: Path, sha: str, path: Path,
-                 stat: os.stat_result, stats: FileStats, hashes: np.ndarray) -> None:
+def _commit_file(
+    con: duckdb.DuckDBPyConnection,
+    config: IngestConfig,
+    tmp: Path,
+    shard: Path,
+    sha: str,
+    path: Path,
+    stat: os.stat_result,
+    stats: FileStats,
+    hashes: np.ndarray,
+) -> None:
     """Rename the finished shard into place, then record its hashes and the file in one DuckDB transaction.
 
     A crash between the two leaves a complete shard that the manifest does not list: the next run redoes it.
@@ -730,7 +843,9 @@ def _commit_file(con: duckdb.DuckDBPyConnection, config: IngestConfig, tmp: Path
             publish(tmp, shard)
         else:
             tmp.unlink(missing_ok=True)
-        con.execute(UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if stats.sentences else None))
+        con.execute(
+            UPSERT_FILE, _file_row(sha, path, stat, stats, "done", None, shard.name if stats.sentences else None)
+        )
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")

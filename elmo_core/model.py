@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -114,12 +114,19 @@ def _input_gates(lstm: nn.LSTM, x: Tensor) -> Tensor:
 USE_ONEDNN = torch.backends.mkldnn.is_available() and os.environ.get("ELMO_DISABLE_ONEDNN", "") != "1"
 
 
-def _step_matmuls(lstm: nn.LSTM, x: Tensor) -> tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], Tensor] | None]:
+def _step_matmuls(
+    lstm: nn.LSTM, x: Tensor
+) -> tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor], Tensor] | None]:
     """``recurrent(gates_x_t, h) = gates_x_t + h @ W_hh.T`` and ``project(m) = m @ W_hr.T`` for one run."""
     w_hh, w_hr = lstm.weight_hh_l0, lstm.weight_hr_l0 if lstm.proj_size > 0 else None
     onednn = USE_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
     if onednn:
-        key = (w_hh.data_ptr(), w_hh._version, w_hr.data_ptr() if w_hr is not None else 0, w_hr._version if w_hr is not None else 0)
+        key = (
+            w_hh.data_ptr(),
+            w_hh._version,
+            w_hr.data_ptr() if w_hr is not None else 0,
+            w_hr._version if w_hr is not None else 0,
+        )
         cache = getattr(lstm, "_onednn_weights", None)
         if cache is None or cache[0] != key:  # pack once per weight version
             cache = (key, w_hh.detach().to_mkldnn(), w_hr.detach().to_mkldnn() if w_hr is not None else None)
@@ -211,7 +218,7 @@ class Packing:
     lengths: Tensor  # (B,) original order, on the CPU
 
     @classmethod
-    def of(cls, lengths: Tensor) -> "Packing":
+    def of(cls, lengths: Tensor) -> Packing:
         lengths = lengths.detach().cpu().clamp(min=1)  # a 0-length row runs one dummy step (discarded by callers)
         order = torch.sort(lengths, descending=True, stable=True).indices
         rank = torch.empty_like(order)
@@ -330,11 +337,15 @@ class ElmoLstm(nn.Module):
             state = self.zero_state(batch, inputs[0].device, inputs[0].dtype)
         lengths_cpu = lengths.detach().cpu()
         # one packing serves every layer and both directions (same lengths)
-        packs = [pack_padded_sequence(x, lengths_cpu.clamp(min=1), batch_first=True, enforce_sorted=False) for x in inputs]
+        packs = [
+            pack_padded_sequence(x, lengths_cpu.clamp(min=1), batch_first=True, enforce_sorted=False) for x in inputs
+        ]
         layout = packs[0]
         order = layout.sorted_indices
         sorted_state = (state[0][:, :, order], state[1][:, :, order])
-        packed_outputs, (h_new, c_new) = self.run_packed([p.data for p in packs], layout.batch_sizes.tolist(), sorted_state, dropout)
+        packed_outputs, (h_new, c_new) = self.run_packed(
+            [p.data for p in packs], layout.batch_sizes.tolist(), sorted_state, dropout
+        )
         unorder = layout.unsorted_indices
         h_new, c_new = h_new[:, :, unorder], c_new[:, :, unorder]
         empty = lengths_cpu == 0
@@ -384,7 +395,11 @@ class BiLM(nn.Module):
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
         self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
         max_chars = config.char_cnn.max_characters_per_token
-        self.register_buffer("boundary_char_ids", torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(), persistent=False)
+        self.register_buffer(
+            "boundary_char_ids",
+            torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(),
+            persistent=False,
+        )
 
     # --- weight files --------------------------------------------------------------------------------
     @classmethod
@@ -394,13 +409,15 @@ class BiLM(nn.Module):
         weight_file: str | None = None,
         device: str | torch.device = "cpu",
         vocab_file: str | None = None,
-    ) -> "BiLM":
+    ) -> BiLM:
         """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory), in eval mode."""
         config, state_dict, vocab = read_model_files(options_file, weight_file, vocab_file)
         model = cls(config, vocab=vocab)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         if missing or unexpected:
-            raise WeightFileError(f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}")
+            raise WeightFileError(
+                f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
         return model.to(device).eval()
 
     def save_pretrained(self, directory: str) -> None:
@@ -429,7 +446,11 @@ class BiLM(nn.Module):
         """(N, C) char ids ─► table (U + 1, P) of the distinct words' embeddings (last row zero) and index (N,)."""
         real = (flat > 0).any(-1)
         unique, inverse = torch.unique(flat[real], dim=0, return_inverse=True)
-        encoded = self.token_encoder(unique) if unique.shape[0] else self.token_encoder.char_cnn.char_embedding.weight.new_zeros(0, self.config.lstm.projection_dim)
+        encoded = (
+            self.token_encoder(unique)
+            if unique.shape[0]
+            else self.token_encoder.char_cnn.char_embedding.weight.new_zeros(0, self.config.lstm.projection_dim)
+        )
         table = torch.cat([encoded, encoded.new_zeros(1, encoded.shape[1])])
         index = torch.full((flat.shape[0],), unique.shape[0], dtype=torch.long, device=flat.device)
         index[real] = inverse
@@ -477,7 +498,9 @@ class BiLM(nn.Module):
         return table, index, lengths + 2, mask
 
     # --- forward -------------------------------------------------------------------------------------
-    def _run(self, table: Tensor, index: Tensor, lengths: Tensor, state: LstmState | None) -> tuple[Packing, list[list[Tensor]], LstmState]:
+    def _run(
+        self, table: Tensor, index: Tensor, lengths: Tensor, state: LstmState | None
+    ) -> tuple[Packing, list[list[Tensor]], LstmState]:
         """Token embeddings ``table[index]`` (B, T+2) with boundaries ─► packed LSTM outputs and the new state.
 
         Layer 0's input-to-gates product is computed once per row of ``table`` (each distinct word) and gathered.
@@ -499,8 +522,13 @@ class BiLM(nn.Module):
         outputs, (h, c) = self.lstm.run_packed(xs, packing.batch_sizes, sorted_state, gates0=gates0)
         return packing, outputs, (h[:, :, rank], c[:, :, rank])
 
-    def forward(self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None,
-                keep_boundaries: bool = False) -> dict:
+    def forward(
+        self,
+        inputs: Tensor,
+        state: LstmState | None = None,
+        token_table: Tensor | None = None,
+        keep_boundaries: bool = False,
+    ) -> dict:
         """inputs: char ids (B, T, C) in the +1 scheme, or token ids (B, T) into ``token_table``; no boundaries.
 
         Returns ``{"activations": [L+1 × (B, T, 2P)], "mask": (B, T) bool, "state": (h, c)}``, zero at padding;
@@ -528,7 +556,9 @@ class BiLM(nn.Module):
         keep = mask.unsqueeze(-1).to(layers[0].dtype)  # drops </S>, which sits inside the window of shorter rows
         return {"activations": [layer[:, 1 : total + 1] * keep for layer in layers], "mask": mask, "state": new_state}
 
-    def token_rows(self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None) -> tuple[list[Tensor], Tensor, LstmState]:
+    def token_rows(
+        self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None
+    ) -> tuple[list[Tensor], Tensor, LstmState]:
         """Like ``forward``, without padding: L+1 × (N, 2P) rows, the tokens of row 0, then row 1, …
 
         Returns the layers, each row's token count (B,), and the new state. What embedding jobs write: no
@@ -551,12 +581,27 @@ class BiLM(nn.Module):
         return layers, counts, new_state
 
     # --- the convenience API -------------------------------------------------------------------------
-    def embed_sentences(self, sentences: Sequence[Sequence[str]], batch_size: int = 64, stateful: bool = False,
-                        carry: "inference.StateCarry | None" = None, precision: str = "fp32", bf16: bool | None = None,
-                        max_batch_tokens: int = inference.MAX_BATCH_TOKENS) -> list[np.ndarray]:
+    def embed_sentences(
+        self,
+        sentences: Sequence[Sequence[str]],
+        batch_size: int = 64,
+        stateful: bool = False,
+        carry: inference.StateCarry | None = None,
+        precision: str = "fp32",
+        bf16: bool | None = None,
+        max_batch_tokens: int = inference.MAX_BATCH_TOKENS,
+    ) -> list[np.ndarray]:
         """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed (``inference.embed_sentences``)."""
-        return inference.embed_sentences(self, sentences, batch_size=batch_size, stateful=stateful, carry=carry,
-                                         precision=precision, bf16=bf16, max_batch_tokens=max_batch_tokens)
+        return inference.embed_sentences(
+            self,
+            sentences,
+            batch_size=batch_size,
+            stateful=stateful,
+            carry=carry,
+            precision=precision,
+            bf16=bf16,
+            max_batch_tokens=max_batch_tokens,
+        )
 
 
 # ----- 4. scalar mix --------------------------------------------------------------------------------
@@ -583,7 +628,9 @@ class ScalarMix(nn.Module):
         values = list(initial_scalar_parameters) if initial_scalar_parameters is not None else [0.0] * mixture_size
         if len(values) != mixture_size:
             raise ValueError(f"{len(values)} initial scalar parameters for a mixture of {mixture_size} layers")
-        self.scalar_parameters = nn.ParameterList(nn.Parameter(torch.tensor([v]), requires_grad=trainable) for v in values)
+        self.scalar_parameters = nn.ParameterList(
+            nn.Parameter(torch.tensor([v]), requires_grad=trainable) for v in values
+        )
         self.gamma = nn.Parameter(torch.tensor([gamma]), requires_grad=trainable)
 
     def forward(self, tensors: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:

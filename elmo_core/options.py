@@ -73,11 +73,18 @@ def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
 
 
 class IngestOptions(Options):
-    tokenizer: TokenizerName = Field("whitespace", description="whitespace (pre-tokenized text), unicode (words, numbers, punctuation) or chinese (jieba)")
-    split_sentences: bool = Field(False, description="inputs hold paragraphs (blank-line separated): split them into sentences")
+    tokenizer: TokenizerName = Field(
+        "whitespace",
+        description="whitespace (pre-tokenized text), unicode (words, numbers, punctuation) or chinese (jieba)",
+    )
+    split_sentences: bool = Field(
+        False, description="inputs hold paragraphs (blank-line separated): split them into sentences"
+    )
     text_field: str = Field("text", description="JSONL: the field holding the text")
     text_column: str = Field("text", description="Parquet: the column holding the text")
-    heldout_fraction: float = Field(0.01, ge=0.0, le=1.0, description="share of sentences drawn (by a hash of their text) for the heldout split")
+    heldout_fraction: float = Field(
+        0.01, ge=0.0, le=1.0, description="share of sentences drawn (by a hash of their text) for the heldout split"
+    )
     max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
     dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
     memory_limit: str = Field("2GB", description="DuckDB memory limit")
@@ -85,7 +92,15 @@ class IngestOptions(Options):
 
 
 # the options every shard of one dataset must share (how text becomes sentences, tokens and splits)
-DATASET_OPTIONS = ("tokenizer", "split_sentences", "text_field", "text_column", "heldout_fraction", "max_tokens", "dedup")
+DATASET_OPTIONS = (
+    "tokenizer",
+    "split_sentences",
+    "text_field",
+    "text_column",
+    "heldout_fraction",
+    "max_tokens",
+    "dedup",
+)
 
 
 class IngestConfig(IngestOptions):
@@ -106,7 +121,9 @@ class VocabOptions(Options):
 class VocabConfig(VocabOptions):
     corpus: str = Field(description="an ingested dataset folder")
     db: str = Field(description="DuckDB file to write; vocab.txt and token_ids/ go beside it")
-    vocab_file: str | None = Field(None, description="import this bilm-tf vocab.txt instead of counting one (fine-tuning keeps its vocab)")
+    vocab_file: str | None = Field(
+        None, description="import this bilm-tf vocab.txt instead of counting one (fine-tuning keeps its vocab)"
+    )
 
 
 # ----- train -------------------------------------------------------------------------------------------
@@ -115,13 +132,20 @@ class VocabConfig(VocabOptions):
 class TrainOptions(Options):
     """bilm-tf's training recipe and option names; CPU_TRAIN_OPTIONS below is the main job's small variant."""
 
-    preset: PresetName = Field("tiny", description="model size: tiny (tests), mini (CPU), small 2x1024_128, medium 2x2048_256, original 2x4096_512")
-    model: ModelConfig | None = Field(None, description="explicit architecture (options.json layout, inline JSON or a file); overrides preset")
+    preset: PresetName = Field(
+        "tiny",
+        description="model size: tiny (tests), mini (CPU), small 2x1024_128, medium 2x2048_256, original 2x4096_512",
+    )
+    model: ModelConfig | None = Field(
+        None, description="explicit architecture (options.json layout, inline JSON or a file); overrides preset"
+    )
     batch_size: int = Field(128, gt=0, description="rows per step per process; bilm-tf used 128 per GPU")
     unroll_steps: int = Field(20, gt=0, description="truncated-BPTT window (tokens per row per step)")
     n_epochs: float = Field(10.0, gt=0, description="passes over the train split")
     max_steps: int | None = Field(None, gt=0, description="stop after this many steps (overrides n_epochs)")
-    n_train_tokens: int | None = Field(None, gt=0, description="fixes the steps per epoch; default: counted from the data")
+    n_train_tokens: int | None = Field(
+        None, gt=0, description="fixes the steps per epoch; default: counted from the data"
+    )
     n_negative_samples_batch: int = Field(8192, gt=0, description="sampled-softmax negatives per step (log-uniform)")
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on each LSTM layer's input and the top output")
     optimizer: Literal["adagrad", "adamw"] = Field("adagrad", description="adagrad (bilm-tf) or adamw")
@@ -129,10 +153,15 @@ class TrainOptions(Options):
     initial_accumulator_value: float = Field(1.0, ge=0.0, description="Adagrad's initial accumulator (bilm-tf: 1.0)")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW only")
     all_clip_norm_val: float = Field(10.0, gt=0.0, description="global gradient-norm clip")
-    sparse_softmax: bool | None = Field(None, description="sparse softmax gradients; default: on for >50k words with Adagrad in one process")
+    sparse_softmax: bool | None = Field(
+        None, description="sparse softmax gradients; default: on for >50k words with Adagrad in one process"
+    )
     seed: int = Field(0, description="seeds the model init, the data order and the sampler")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Precision = Field("auto", description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 on CUDA, fp32 on CPU")
+    precision: Precision = Field(
+        "auto",
+        description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 on CUDA, fp32 on CPU",
+    )
     bf16: bool | None = Field(None, description="deprecated: use --precision (true = auto, false = fp32)")
     compile: bool = Field(False, description="torch.compile the token encoder")
     log_every: int = Field(10, gt=0, description="steps between logged metrics")
@@ -140,7 +169,9 @@ class TrainOptions(Options):
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
     eval_batch_size: int = Field(64, gt=0, description="rows per heldout evaluation batch")
     eval_max_batches: int | None = Field(None, gt=0, description="evaluate on at most this many heldout batches")
-    on_nan: Literal["stop", "skip"] = Field("stop", description="a NaN loss stops the run (naming the last good checkpoint) or skips the batch")
+    on_nan: Literal["stop", "skip"] = Field(
+        "stop", description="a NaN loss stops the run (naming the last good checkpoint) or skips the batch"
+    )
     resume: bool = Field(False, description="continue from the newest valid checkpoint in out/")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")
@@ -161,31 +192,47 @@ class TrainConfig(TrainOptions):
     data: str = Field(description="folder written by `elmo vocab` (vocab.txt, token_ids/train, token_ids/heldout)")
     out: str = Field(description="run folder: checkpoints/, model/ (the export), metrics.jsonl")
     init_from: str | None = Field(None, description="fine-tune: a model directory, runs:/ or models:/ URI")
-    tracking_uri: str | None = Field(None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db")
+    tracking_uri: str | None = Field(
+        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
+    )
 
 
 # The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf.
-CPU_TRAIN_OPTIONS = TrainOptions(preset="mini", batch_size=32, n_negative_samples_batch=512, log_every=20, checkpoint_every=200, resume=True)
+CPU_TRAIN_OPTIONS = TrainOptions(
+    preset="mini", batch_size=32, n_negative_samples_batch=512, log_every=20, checkpoint_every=200, resume=True
+)
 
 
 # ----- embed -------------------------------------------------------------------------------------------
 
 
 class EmbedOptions(Options):
-    layers: Literal["all", "mix"] = Field("mix", description="mix: one 'elmo' column (scalar mix); all: layer_0 ... layer_L columns")
-    mix_weights: list[float] | None = Field(None, description="scalar-mix weights before softmax, one per layer; default: plain average")
+    layers: Literal["all", "mix"] = Field(
+        "mix", description="mix: one 'elmo' column (scalar mix); all: layer_0 ... layer_L columns"
+    )
+    mix_weights: list[float] | None = Field(
+        None, description="scalar-mix weights before softmax, one per layer; default: plain average"
+    )
     gamma: float = Field(1.0, description="scalar-mix scale")
     dtype: Literal["float32", "float16"] = Field("float32", description="storage type of the vectors")
     pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
     split: Literal["all", "train", "heldout"] = Field("all", description="which split of an ingested dataset")
     tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
     max_batch_tokens: int = Field(8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)")
-    unit_tokens: int = Field(40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)")
-    stateful: bool = Field(False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)")
+    unit_tokens: int = Field(
+        40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)"
+    )
+    stateful: bool = Field(
+        False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)"
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 (bilm-tf exact) or bf16 (matmuls in bfloat16, cell state in fp32)")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fp32 (bilm-tf exact) or bf16 (matmuls in bfloat16, cell state in fp32)"
+    )
     bf16: bool | None = Field(None, description="deprecated: use --precision bf16")
-    overwrite: bool = Field(False, description="replace a table of another job in --out (the new one is swapped in when complete)")
+    overwrite: bool = Field(
+        False, description="replace a table of another job in --out (the new one is swapped in when complete)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -194,8 +241,12 @@ class EmbedOptions(Options):
 
 
 class EmbedConfig(EmbedOptions):
-    model: str = Field(description="model directory (options.json + weights.hdf5), runs:/RUN/model or models:/NAME/VERSION")
-    input: str = Field(description="an ingested dataset folder, or text files / a folder / a glob (one sentence per line)")
+    model: str = Field(
+        description="model directory (options.json + weights.hdf5), runs:/RUN/model or models:/NAME/VERSION"
+    )
+    input: str = Field(
+        description="an ingested dataset folder, or text files / a folder / a glob (one sentence per line)"
+    )
     out: str = Field(description="output dataset folder: part-*.parquet, read with DuckDB, pandas, pyarrow or Spark")
 
 
@@ -217,7 +268,7 @@ class ExportConfig(Options):
     out: str = Field(description="model directory to write (options.json, weights.hdf5 with softmax, vocab.txt)")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ExportConfig":
+    def _one_source(self) -> ExportConfig:
         if (self.run is None) == (self.checkpoint is None):
             raise ValueError("give exactly one of run and checkpoint")
         return self
@@ -239,5 +290,9 @@ class InfoConfig(Options):
 
 
 class DemoConfig(Options):
-    model: str | None = Field(None, description="model directory; default: the TF-trained fixture model in tests/fixtures")
-    input: str | None = Field(None, description="whitespace-tokenized sentences, one per line; default: data/probes/apple.txt")
+    model: str | None = Field(
+        None, description="model directory; default: the TF-trained fixture model in tests/fixtures"
+    )
+    input: str | None = Field(
+        None, description="whitespace-tokenized sentences, one per line; default: data/probes/apple.txt"
+    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from functools import lru_cache
-from typing import Iterator
 
 import torch
 
@@ -50,8 +50,11 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
         return "bf16" if device_type == "cuda" else "fp32"
     if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16() and "cpu" not in _warned:
         _warned.add("cpu")
-        log.warning("this CPU has no native bfloat16 instructions (torch CPU capability %s): bf16 works but runs "
-                    "slower than fp32 here; use --precision fp32", cpu_capability())
+        log.warning(
+            "this CPU has no native bfloat16 instructions (torch CPU capability %s): bf16 works but runs "
+            "slower than fp32 here; use --precision fp32",
+            cpu_capability(),
+        )
     return precision
 
 

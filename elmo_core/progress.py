@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, Protocol
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ class ProgressSink(Protocol):
     """Receives a stage's progress; ``update`` is called at most a few times a second."""
 
     def begin(self, name: str, total: float | None, unit: str) -> None: ...
-    def update(self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str) -> None: ...
+    def update(
+        self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str
+    ) -> None: ...
     def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None: ...
 
 
@@ -51,7 +54,11 @@ def _format_eta(seconds: float | None) -> str:
     if seconds is None:
         return "?"
     seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    return (
+        f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60}:{seconds % 60:02d}"
+    )
 
 
 class Progress:
@@ -67,11 +74,29 @@ class Progress:
         self._sinks = _SINKS.get()
         self._bar = None
         if sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                                     TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[info]}"), transient=False, redirect_stderr=False)
+            self._bar = RichProgress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(unit),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+                redirect_stderr=False,
+            )
             self._task = self._bar.add_task(name, total=total, completed=done, info="")
             self._bar.start()
         for sink in self._sinks:

@@ -61,7 +61,10 @@ class EmbeddingStore:
         """``elmo`` or ``layer_N``; checked against the table (column names cannot be SQL parameters)."""
         name = layer or ("elmo" if "elmo" in self.columns else [c for c in self.columns if c.startswith("layer_")][-1])
         if name not in self.columns or not (name == "elmo" or name.startswith("layer_")):
-            raise ConfigError(f"no vector column {name!r}; this table has {[c for c in self.columns if c == 'elmo' or c.startswith('layer_')]}")
+            raise ConfigError(
+                f"no vector column {name!r}; this table has "
+                f"{[c for c in self.columns if c == 'elmo' or c.startswith('layer_')]}"
+            )
         return name
 
     def locate(self, token: str, text: str | None = None, sentence_id: str | None = None) -> tuple[str, int, str]:
@@ -71,15 +74,23 @@ class EmbeddingStore:
             raise ConfigError(f"token {token!r} not found{where}")
         return row[0], int(row[1]), row[2]
 
-    def nearest_tokens(self, token: str, text: str | None = None, sentence_id: str | None = None, k: int = 10,
-                       layer: str | None = None, like: str | None = None) -> list[Neighbour]:
+    def nearest_tokens(
+        self,
+        token: str,
+        text: str | None = None,
+        sentence_id: str | None = None,
+        k: int = 10,
+        layer: str | None = None,
+        like: str | None = None,
+    ) -> list[Neighbour]:
         """Tokens-in-context nearest to ``token`` as used in the given sentence (``like``: a LIKE filter on tokens)."""
         if self.pooled:
             raise ConfigError("this table is pooled per sentence; use similar_sentences")
         sid, index, _ = self.locate(token, text, sentence_id)
         col = self.vector_column(layer)
-        rows = self.con.execute(NEAREST_TOKENS.format(col=col),
-                                {"sentence_id": sid, "token_index": index, "like": like, "k": k}).fetchall()
+        rows = self.con.execute(
+            NEAREST_TOKENS.format(col=col), {"sentence_id": sid, "token_index": index, "like": like, "k": k}
+        ).fetchall()
         return [Neighbour(r[0], r[1], r[2], int(r[3]), float(r[4])) for r in rows]
 
     def similar_sentences(self, sentence_id: str, k: int = 10, layer: str | None = None) -> list[Neighbour]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -83,7 +84,9 @@ def _chinese() -> Callable[[str], list[str]]:
     try:
         import jieba  # optional extra: pip install "elmo-pipeline[chinese]"
     except ImportError:
-        raise ConfigError("the 'chinese' tokenizer needs jieba: pip install jieba (or the project's [chinese] extra)") from None
+        raise ConfigError(
+            "the 'chinese' tokenizer needs jieba: pip install jieba (or the project's [chinese] extra)"
+        ) from None
     jieba.setLogLevel(60)
 
     def tokens(text: str) -> list[str]:

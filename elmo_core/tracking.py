@@ -64,8 +64,14 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 class MLflowTracker:
     """One MLflow run per training, with system metrics; ``run_id`` is set once started."""
 
-    def __init__(self, experiment: str = "elmo", run_name: str | None = None, tracking_uri: str | None = None,
-                 run_id: str | None = None, tags: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        experiment: str = "elmo",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         import mlflow
 
@@ -142,8 +148,10 @@ def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
     except (MlflowException, OSError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TrackingError(f"{uri}: cannot be fetched from the MLflow store {mlflow.get_tracking_uri()} ({message}); check the "
-                            "name and version (`mlflow ui` lists them) and MLFLOW_TRACKING_URI") from None
+        raise TrackingError(
+            f"{uri}: cannot be fetched from the MLflow store {mlflow.get_tracking_uri()} ({message}); check the "
+            "name and version (`mlflow ui` lists them) and MLFLOW_TRACKING_URI"
+        ) from None
     if (local / "options.json").exists():
         return local
     for options in sorted((local / "artifacts").rglob("options.json")):  # a logged pyfunc model

@@ -24,7 +24,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,15 @@ from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_soft
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
 from elmo_core.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 
-__all__ = ["TrainConfig", "TrainResult", "TrainingDivergedError", "evaluate", "export_checkpoint", "latest_checkpoint", "train"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "TrainingDivergedError",
+    "evaluate",
+    "export_checkpoint",
+    "latest_checkpoint",
+    "train",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +94,34 @@ class LMObjective(nn.Module):
             top_b = nn.functional.dropout(top_b, self.dropout)
         return top_f, top_b, new_state
 
-    def forward(self, chars_f: Tensor, chars_b: Tensor, targets_f: Tensor, targets_b: Tensor, state: LstmState | None,
-                sampled: Tensor, num_tries: int, sampler: LogUniformSampler) -> tuple[Tensor, Tensor, Tensor, LstmState]:
+    def forward(
+        self,
+        chars_f: Tensor,
+        chars_b: Tensor,
+        targets_f: Tensor,
+        targets_b: Tensor,
+        state: LstmState | None,
+        sampled: Tensor,
+        num_tries: int,
+        sampler: LogUniformSampler,
+    ) -> tuple[Tensor, Tensor, Tensor, LstmState]:
         top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
         softmax = self.bilm.softmax
         p = top_f.shape[-1]
         with torch.autocast(top_f.device.type, enabled=False):  # the softmax and its loss in float32
-            loss_f, loss_b = (sampled_softmax_loss(top.float().reshape(-1, p), targets.reshape(-1), softmax.weight, softmax.bias,
-                                                   sampled, num_tries, sampler, self.sparse)
-                              for top, targets in ((top_f, targets_f), (top_b, targets_b)))
+            loss_f, loss_b = (
+                sampled_softmax_loss(
+                    top.float().reshape(-1, p),
+                    targets.reshape(-1),
+                    softmax.weight,
+                    softmax.bias,
+                    sampled,
+                    num_tries,
+                    sampler,
+                    self.sparse,
+                )
+                for top, targets in ((top_f, targets_f), (top_b, targets_b))
+            )
         return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
 
 
@@ -102,8 +129,14 @@ class LMObjective(nn.Module):
 
 
 @torch.no_grad()
-def evaluate(bilm: BiLM, token_id_dir: str | Path, batch_size: int = 64, unroll_steps: int = 20,
-             max_batches: int | None = None, unigram_counts: np.ndarray | None = None) -> dict[str, float]:
+def evaluate(
+    bilm: BiLM,
+    token_id_dir: str | Path,
+    batch_size: int = 64,
+    unroll_steps: int = 20,
+    max_batches: int | None = None,
+    unigram_counts: np.ndarray | None = None,
+) -> dict[str, float]:
     """Heldout perplexity with the full softmax, state carried across windows (bilm-tf ``run_test``).
 
     With the state carried, predictions do not depend on the window length, so windows of 20 give the numbers
@@ -130,11 +163,27 @@ def evaluate(bilm: BiLM, token_id_dir: str | Path, batch_size: int = 64, unroll_
     expected = n_tokens // (rows * unroll_steps)
     with track("evaluate", min(expected, max_batches or expected) or None, "batches") as progress:
         for batch in batcher:
-            top_f, top_b, state = objective.hidden(_tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state)
+            top_f, top_b, state = objective.hidden(
+                _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state
+            )
             p = top_f.shape[-1]
             softmax = bilm.softmax
-            total_f += float(full_softmax_loss(top_f.reshape(-1, p), _tensor(batch["next_token_id"], device).reshape(-1), softmax.weight, softmax.bias))
-            total_b += float(full_softmax_loss(top_b.reshape(-1, p), _tensor(batch["next_token_id_reverse"], device).reshape(-1), softmax.weight, softmax.bias))
+            total_f += float(
+                full_softmax_loss(
+                    top_f.reshape(-1, p),
+                    _tensor(batch["next_token_id"], device).reshape(-1),
+                    softmax.weight,
+                    softmax.bias,
+                )
+            )
+            total_b += float(
+                full_softmax_loss(
+                    top_b.reshape(-1, p),
+                    _tensor(batch["next_token_id_reverse"], device).reshape(-1),
+                    softmax.weight,
+                    softmax.bias,
+                )
+            )
             if log_p is not None:
                 unigram += float(-log_p[batch["next_token_id"]].mean())
             batches += 1
@@ -159,8 +208,10 @@ def evaluate(bilm: BiLM, token_id_dir: str | Path, batch_size: int = 64, unroll_
 def describe_perplexity(result: dict[str, float]) -> str:
     if not result:
         return "no heldout split to evaluate"
-    text = (f"heldout perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
-            f"backward {result['perplexity_backward']:.2f}")
+    text = (
+        f"heldout perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
+        f"backward {result['perplexity_backward']:.2f}"
+    )
     if "perplexity_unigram" in result:
         text += f"; unigram baseline {result['perplexity_unigram']:.2f}"
     return text + ")"
@@ -269,13 +320,20 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
     model_dir = resolve_model_dir(config.init_from)
     bilm = BiLM.from_pretrained(str(model_dir))
     if bilm.vocab is not None and bilm.vocab != vocab:
-        raise ConfigError(f"{model_dir}/vocab.txt differs from {config.data}/vocab.txt; build the data with "
-                          f"`elmo vocab --vocab-file {model_dir}/vocab.txt` so fine-tuning keeps the model's vocabulary")
+        raise ConfigError(
+            f"{model_dir}/vocab.txt differs from {config.data}/vocab.txt; build the data with "
+            f"`elmo vocab --vocab-file {model_dir}/vocab.txt` so fine-tuning keeps the model's vocabulary"
+        )
     if bilm.softmax is None or bilm.config.n_tokens_vocab != len(vocab):
-        log.warning("%s has no softmax for this %d-word vocabulary: initialising a new one (bilm-tf's N(0, 1/sqrt(P)))",
-                    model_dir, len(vocab))
+        log.warning(
+            "%s has no softmax for this %d-word vocabulary: initialising a new one (bilm-tf's N(0, 1/sqrt(P)))",
+            model_dir,
+            len(vocab),
+        )
         fresh = BiLM(bilm.config.model_copy(update={"n_tokens_vocab": len(vocab)}), vocab=vocab)
-        fresh.load_state_dict({k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False)
+        fresh.load_state_dict(
+            {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False
+        )
         with torch.no_grad():
             nn.init.normal_(fresh.softmax.weight, 0.0, 1.0 / math.sqrt(fresh.config.lstm.projection_dim))
             fresh.softmax.bias.zero_()
@@ -286,7 +344,9 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
 
 def _make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if config.optimizer == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.learning_rate, initial_accumulator_value=config.initial_accumulator_value)
+        return torch.optim.Adagrad(
+            params, lr=config.learning_rate, initial_accumulator_value=config.initial_accumulator_value
+        )
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
@@ -355,12 +415,17 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     vocab = read_vocab_file(vocab_path)
     check_training_vocab(vocab, str(vocab_path))
     counts, n_data_tokens = train_token_counts(data, len(vocab))
-    steps_per_epoch = max(1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world))
+    steps_per_epoch = max(
+        1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world)
+    )
     bilm = _build_model(config, vocab).to(device)
     if config.compile:
         bilm.token_encoder = torch.compile(bilm.token_encoder)  # type: ignore[assignment]
-    sparse = config.sparse_softmax if config.sparse_softmax is not None else (
-        len(vocab) > 50_000 and config.optimizer == "adagrad" and ddp.world == 1)
+    sparse = (
+        config.sparse_softmax
+        if config.sparse_softmax is not None
+        else (len(vocab) > 50_000 and config.optimizer == "adagrad" and ddp.world == 1)
+    )
     if sparse and (config.optimizer != "adagrad" or ddp.world > 1):
         raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
     objective = LMObjective(bilm, config.dropout, sparse).train()
@@ -368,10 +433,32 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     if ddp.world > 1:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
-    run = Run(config, out, data, device, ddp, resolve_precision(config.precision, device), vocab, counts, bilm, model, params,
-              _make_optimizer(config, params), LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
-              LMBatcher(data / "token_ids" / "train", config.batch_size, config.unroll_steps, seed=config.seed, rank=ddp.rank, world=ddp.world),
-              NullTracker(), steps_per_epoch, config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)))
+    run = Run(
+        config,
+        out,
+        data,
+        device,
+        ddp,
+        resolve_precision(config.precision, device),
+        vocab,
+        counts,
+        bilm,
+        model,
+        params,
+        _make_optimizer(config, params),
+        LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
+        LMBatcher(
+            data / "token_ids" / "train",
+            config.batch_size,
+            config.unroll_steps,
+            seed=config.seed,
+            rank=ddp.rank,
+            world=ddp.world,
+        ),
+        NullTracker(),
+        steps_per_epoch,
+        config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
+    )
     found = load_newest_valid(out) if config.resume else None
     if found is not None:
         restore(run, Checkpoint(**found[1]))
@@ -380,13 +467,32 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
         out.mkdir(parents=True, exist_ok=True)
-        run.tracker = tracker or (MLflowTracker(config.mlflow_experiment, run_name=out.name, tracking_uri=config.tracking_uri,
-                                                run_id=run.tracker.run_id, tags={"elmo.stage": "train"})
-                                  if config.tracking == "mlflow" else NullTracker())
-        run.tracker.log_params({"config": config.model_dump(mode="json"), "architecture": bilm.config.model_dump(mode="json"),
-                                "data": {"vocab_size": len(vocab), "n_train_tokens": config.n_train_tokens or n_data_tokens,
-                                         "steps_per_epoch": steps_per_epoch, "world_size": ddp.world, "sparse_softmax": sparse,
-                                         "device": str(device), "precision": run.precision}})
+        run.tracker = tracker or (
+            MLflowTracker(
+                config.mlflow_experiment,
+                run_name=out.name,
+                tracking_uri=config.tracking_uri,
+                run_id=run.tracker.run_id,
+                tags={"elmo.stage": "train"},
+            )
+            if config.tracking == "mlflow"
+            else NullTracker()
+        )
+        run.tracker.log_params(
+            {
+                "config": config.model_dump(mode="json"),
+                "architecture": bilm.config.model_dump(mode="json"),
+                "data": {
+                    "vocab_size": len(vocab),
+                    "n_train_tokens": config.n_train_tokens or n_data_tokens,
+                    "steps_per_epoch": steps_per_epoch,
+                    "world_size": ddp.world,
+                    "sparse_softmax": sparse,
+                    "device": str(device),
+                    "precision": run.precision,
+                },
+            }
+        )
         write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
     return run
 
@@ -405,11 +511,15 @@ class RankState:
     lstm_state: tuple[Tensor, Tensor]
 
     @classmethod
-    def capture(cls, run: Run) -> "RankState":
+    def capture(cls, run: Run) -> RankState:
         state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
-        return cls(run.sampler.state_dict(), json.dumps(run.batcher.state_dict()), torch.get_rng_state(),
-                   torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-                   tuple(s.detach().cpu() for s in state))  # type: ignore[arg-type]
+        return cls(
+            run.sampler.state_dict(),
+            json.dumps(run.batcher.state_dict()),
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+            tuple(s.detach().cpu() for s in state),
+        )  # type: ignore[arg-type]
 
     def apply(self, run: Run) -> None:
         run.sampler.load_state_dict(self.sampler)
@@ -436,8 +546,13 @@ class Checkpoint:
     lstm_states: list[tuple[Tensor, Tensor]]
 
     def rank(self, rank: int) -> RankState:
-        return RankState(self.samplers[rank], self.batchers[rank], self.torch_rng[rank],
-                         self.cuda_rng[rank] if self.cuda_rng else None, self.lstm_states[rank])
+        return RankState(
+            self.samplers[rank],
+            self.batchers[rank],
+            self.torch_rng[rank],
+            self.cuda_rng[rank] if self.cuda_rng else None,
+            self.lstm_states[rank],
+        )
 
     def payload(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -449,10 +564,17 @@ def save(run: Run) -> Path | None:
     if not run.ddp.main:
         return None
     checkpoint = Checkpoint(
-        run.step, run.config.model_dump_json(), run.tracker.run_id or "",
-        {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()}, run.optimizer.state_dict(),
-        [r.sampler for r in ranks], [r.batcher for r in ranks], [r.torch_rng for r in ranks],
-        [r.cuda_rng for r in ranks if r.cuda_rng is not None], [r.lstm_state for r in ranks])
+        run.step,
+        run.config.model_dump_json(),
+        run.tracker.run_id or "",
+        {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
+        run.optimizer.state_dict(),
+        [r.sampler for r in ranks],
+        [r.batcher for r in ranks],
+        [r.torch_rng for r in ranks],
+        [r.cuda_rng for r in ranks if r.cuda_rng is not None],
+        [r.lstm_state for r in ranks],
+    )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
     return path
@@ -464,11 +586,15 @@ def restore(run: Run, checkpoint: Checkpoint) -> None:
         run.bilm.load_state_dict(checkpoint.model)
         run.optimizer.load_state_dict(checkpoint.optimizer)
     except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "
-                              f"model or optimizer ({str(exc).splitlines()[0][:160]}); use a new out folder") from None
+        raise CheckpointError(
+            f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "
+            f"model or optimizer ({str(exc).splitlines()[0][:160]}); use a new out folder"
+        ) from None
     if len(checkpoint.batchers) != run.ddp.world:
-        raise CheckpointError(f"{checkpoint_dir(run.out)}: written by {len(checkpoint.batchers)} processes, resumed by "
-                              f"{run.ddp.world}; resume with the same number of processes")
+        raise CheckpointError(
+            f"{checkpoint_dir(run.out)}: written by {len(checkpoint.batchers)} processes, resumed by "
+            f"{run.ddp.world}; resume with the same number of processes"
+        )
     checkpoint.rank(run.ddp.rank).apply(run)
     run.step = checkpoint.step
     run.tracker.run_id = checkpoint.run_id or None
@@ -481,7 +607,9 @@ def latest_checkpoint(out: str | Path) -> Path | None:
 
 
 def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
-    """A checkpoint (or a run folder's newest valid one) ─► a bilm-tf/AllenNLP model directory; returns (step, checkpoint)."""
+    """A checkpoint (or a run folder's newest valid one) ─► a bilm-tf/AllenNLP model directory.
+
+    Returns (step, the checkpoint used)."""
     source = Path(checkpoint_or_run)
     if source.is_dir():
         found = load_newest_valid(source)
@@ -511,17 +639,25 @@ def step(run: Run) -> dict[str, float] | None:
     sampled, num_tries = run.sampler.sample(config.n_negative_samples_batch)
     with autocast(run.device, run.precision):
         loss, loss_f, loss_b, new_state = run.model(
-            _tensor(batch["tokens_characters"], run.device), _tensor(batch["tokens_characters_reverse"], run.device),
-            _tensor(batch["next_token_id"], run.device), _tensor(batch["next_token_id_reverse"], run.device),
-            run.state, sampled, num_tries, run.sampler)
+            _tensor(batch["tokens_characters"], run.device),
+            _tensor(batch["tokens_characters_reverse"], run.device),
+            _tensor(batch["next_token_id"], run.device),
+            _tensor(batch["next_token_id_reverse"], run.device),
+            run.state,
+            sampled,
+            num_tries,
+            run.sampler,
+        )
     run.optimizer.zero_grad(set_to_none=True)
     run.state = tuple(s.detach() for s in new_state)  # type: ignore[assignment]  # truncated BPTT
     run.step += 1
     if not torch.isfinite(loss):
         if config.on_nan == "stop":
             last = latest_checkpoint(run.out)
-            raise TrainingDivergedError(f"loss is {float(loss.detach())} at step {run.step}; stopped. The last good checkpoint is "
-                                        f"{last or 'none (none written yet)'}; resume from it with a lower learning rate or on_nan=skip")
+            raise TrainingDivergedError(
+                f"loss is {float(loss.detach())} at step {run.step}; stopped. The last good checkpoint is "
+                f"{last or 'none (none written yet)'}; resume from it with a lower learning rate or on_nan=skip"
+            )
         run.skipped += 1
         log.warning("loss is %s at step %d: batch skipped (%d so far)", float(loss.detach()), run.step, run.skipped)
         return None
@@ -529,8 +665,13 @@ def step(run: Run) -> dict[str, float] | None:
     grad_norm = _clip_global_norm(run.params, config.all_clip_norm_val)
     run.optimizer.step()
     run.loss = float(loss.detach())
-    record = {"step": run.step, "loss": run.loss, "loss_forward": float(loss_f.detach()), "loss_backward": float(loss_b.detach()),
-              "grad_norm": grad_norm}
+    record = {
+        "step": run.step,
+        "loss": run.loss,
+        "loss_forward": float(loss_f.detach()),
+        "loss_backward": float(loss_b.detach()),
+        "grad_norm": grad_norm,
+    }
     if run.ddp.main:
         with open(run.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({k: record[k] for k in ("step", "loss", "loss_forward", "loss_backward")}) + "\n")
@@ -538,9 +679,14 @@ def step(run: Run) -> dict[str, float] | None:
 
 
 def log_metrics(run: Run, record: dict[str, float], tokens_per_s: float) -> None:
-    metrics = {"loss": record["loss"], "perplexity_forward": math.exp(min(record["loss_forward"], 50.0)),
-               "perplexity_backward": math.exp(min(record["loss_backward"], 50.0)), "tokens_per_s": tokens_per_s,
-               "learning_rate": run.optimizer.param_groups[0]["lr"], "grad_norm": record["grad_norm"]}
+    metrics = {
+        "loss": record["loss"],
+        "perplexity_forward": math.exp(min(record["loss_forward"], 50.0)),
+        "perplexity_backward": math.exp(min(record["loss_backward"], 50.0)),
+        "tokens_per_s": tokens_per_s,
+        "learning_rate": run.optimizer.param_groups[0]["lr"],
+        "grad_norm": record["grad_norm"],
+    }
     run.tracker.log_metrics(metrics, run.step)
     run.history.append({"step": run.step, **metrics})
 
@@ -551,7 +697,9 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
     if not run.ddp.main or not heldout.exists() or not any(_num_rows(f) for f in heldout.glob("part-*.parquet")):
         return {}
     config = run.config
-    result = evaluate(run.bilm, heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches, run.unigram_counts)
+    result = evaluate(
+        run.bilm, heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches, run.unigram_counts
+    )
     run.tracker.log_metrics({f"heldout_{k}": v for k, v in result.items()}, run.step)
     log.info("step %d %s", run.step, describe_perplexity(result))
     return result

@@ -5,16 +5,25 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
-from typing import Callable, Iterable
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.chars import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, SPECIAL_TOKENS, UNK_ID, UNK_TOKEN, tokens_to_char_array
+from elmo_core.chars import (
+    BOS_ID,
+    BOS_TOKEN,
+    EOS_ID,
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    UNK_TOKEN,
+    tokens_to_char_array,
+)
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.fileio import atomic_path, atomic_write, write_text_atomic
 from elmo_core.ingest import shard_paths
@@ -74,14 +83,17 @@ ranked AS (
     ORDER BY count DESC, token ASC
     LIMIT $max_words
 )
-SELECT s.id, s.token, CASE s.id WHEN $unk_id THEN 0 ELSE (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train') END::BIGINT AS count
+SELECT s.id, s.token,
+       CASE s.id WHEN $unk_id THEN 0
+                 ELSE (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train') END::BIGINT AS count
 FROM specials s
 UNION ALL
 SELECT (row_number() OVER (ORDER BY count DESC, token ASC) + 2)::INTEGER AS id, token, count FROM ranked
 ORDER BY id
 """
 SET_UNK_COUNT = """
-UPDATE vocab SET count = (SELECT coalesce(sum(c.count), 0) FROM token_counts c ANTI JOIN vocab v USING (token)) WHERE id = $unk_id
+UPDATE vocab SET count = (SELECT coalesce(sum(c.count), 0) FROM token_counts c ANTI JOIN vocab v USING (token))
+WHERE id = $unk_id
 """
 IMPORT_VOCAB = """
 CREATE OR REPLACE TABLE vocab AS
@@ -123,7 +135,14 @@ def build_vocab(config: VocabConfig) -> dict[str, float]:
         raise InputError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
     db = Path(config.db)
     db.parent.mkdir(parents=True, exist_ok=True)
-    specials = {"bos_id": BOS_ID, "bos": BOS_TOKEN, "eos_id": EOS_ID, "eos": EOS_TOKEN, "unk_id": UNK_ID, "unk": UNK_TOKEN}
+    specials = {
+        "bos_id": BOS_ID,
+        "bos": BOS_TOKEN,
+        "eos_id": EOS_ID,
+        "eos": EOS_TOKEN,
+        "unk_id": UNK_ID,
+        "unk": UNK_TOKEN,
+    }
     # steps: count, rank, char ids + stats, then one per shard converted to token ids
     with track("vocab", 3 + (len(shards) if config.token_ids else 0), "steps") as progress:
         con = _connect(db, config.memory_limit)
@@ -139,7 +158,9 @@ def build_vocab(config: VocabConfig) -> dict[str, float]:
                 con.unregister("imported")
             else:
                 max_words = (config.max_size - len(SPECIAL_TOKENS)) if config.max_size else 2**62
-                con.execute(BUILD_VOCAB, {"shards": shards, "min_count": config.min_count, "max_words": max_words, **specials})
+                con.execute(
+                    BUILD_VOCAB, {"shards": shards, "min_count": config.min_count, "max_words": max_words, **specials}
+                )
             con.execute(SET_UNK_COUNT, {"unk_id": UNK_ID})
             progress.advance(1, "ranked")
             _store_char_ids(con)
@@ -163,7 +184,13 @@ def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
     tokens = [r[1] for r in rows]
     chars = tokens_to_char_array(tokens, raw=True)
     flat = pa.array(chars.reshape(-1), pa.int32())
-    table = pa.table({"id": pa.array(ids, pa.int32()), "token": tokens, "chars": pa.FixedSizeListArray.from_arrays(flat, chars.shape[1])})
+    table = pa.table(
+        {
+            "id": pa.array(ids, pa.int32()),
+            "token": tokens,
+            "chars": pa.FixedSizeListArray.from_arrays(flat, chars.shape[1]),
+        }
+    )
     con.execute(CREATE_CHAR_IDS)
     con.register("char_rows", table)
     con.execute(INSERT_CHAR_IDS)
@@ -172,7 +199,9 @@ def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
 
 # ----- token ids per split ---------------------------------------------------------------------------------
 
-TOKEN_IDS_SCHEMA = pa.schema([("sentence_id", pa.string()), ("tokens", pa.list_(pa.string())), ("ids", pa.list_(pa.int32()))])
+TOKEN_IDS_SCHEMA = pa.schema(
+    [("sentence_id", pa.string()), ("tokens", pa.list_(pa.string())), ("ids", pa.list_(pa.int32()))]
+)
 
 
 def write_token_ids(shards: list[str], vocab: list[str], out: Path, on_shard: Callable[[], None] | None = None) -> None:
@@ -201,15 +230,19 @@ def write_token_ids(shards: list[str], vocab: list[str], out: Path, on_shard: Ca
 
 def _write_shard_ids(shard: str, value_set: pa.Array, targets: dict[str, Path]) -> None:
     with ExitStack() as stack:
-        writers = {split: pq.ParquetWriter(stack.enter_context(atomic_path(t)), TOKEN_IDS_SCHEMA, compression="zstd")
-                   for split, t in targets.items()}
+        writers = {
+            split: pq.ParquetWriter(stack.enter_context(atomic_path(t)), TOKEN_IDS_SCHEMA, compression="zstd")
+            for split, t in targets.items()
+        }
         pf = pq.ParquetFile(shard)
         for i in range(pf.num_row_groups):
             group = pf.read_row_group(i, columns=["sentence_id", "tokens", "split"])
             tokens = group.column("tokens").combine_chunks()
             ids = pc.fill_null(pc.index_in(tokens.flatten(), value_set=value_set), UNK_ID).cast(pa.int32())
             id_lists = pa.ListArray.from_arrays(tokens.offsets, ids)
-            table = pa.table({"sentence_id": group.column("sentence_id"), "tokens": tokens, "ids": id_lists}, schema=TOKEN_IDS_SCHEMA)
+            table = pa.table(
+                {"sentence_id": group.column("sentence_id"), "tokens": tokens, "ids": id_lists}, schema=TOKEN_IDS_SCHEMA
+            )
             for split, writer in writers.items():
                 part = table.filter(pc.equal(group.column("split"), split))
                 if part.num_rows:

@@ -51,8 +51,11 @@ def forget_gate_bias(hidden: int) -> torch.Tensor:
 
 def _lstm_keys(config: ModelConfig) -> list[tuple[int, int, str]]:
     """(direction, layer, state-dict prefix) of every LSTM, in the order bilm-tf numbers them."""
-    return [(d, layer, f"lstm.{side}_layers.{layer}") for d, side in enumerate(("forward", "backward"))
-            for layer in range(config.lstm.n_layers)]
+    return [
+        (d, layer, f"lstm.{side}_layers.{layer}")
+        for d, side in enumerate(("forward", "backward"))
+        for layer in range(config.lstm.n_layers)
+    ]
 
 
 class _Reader:
@@ -92,17 +95,23 @@ def read_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tenso
         for i, (width, count) in enumerate(cnn.filters):
             why = f"char_cnn.filters[{i}] = [{width}, {count}]"
             kernel = r.get(f"CNN/W_cnn_{i}", (1, width, d_c, count), why)
-            state[f"token_encoder.char_cnn.convs.{i}.weight"] = torch.from_numpy(np.ascontiguousarray(kernel[0].transpose(2, 1, 0)))
+            state[f"token_encoder.char_cnn.convs.{i}.weight"] = torch.from_numpy(
+                np.ascontiguousarray(kernel[0].transpose(2, 1, 0))
+            )
             state[f"token_encoder.char_cnn.convs.{i}.bias"] = torch.from_numpy(r.get(f"CNN/b_cnn_{i}", (count,), why))
         for k in range(cnn.n_highway):
             why = f"highway {k} of width {n_filters}"
             for name in ("carry", "transform"):
                 w = r.get(f"CNN_high_{k}/W_{name}", (n_filters, n_filters), why)
                 state[f"token_encoder.highways.{k}.{name}.weight"] = torch.from_numpy(np.ascontiguousarray(w.T))
-                state[f"token_encoder.highways.{k}.{name}.bias"] = torch.from_numpy(r.get(f"CNN_high_{k}/b_{name}", (n_filters,), why))
+                state[f"token_encoder.highways.{k}.{name}.bias"] = torch.from_numpy(
+                    r.get(f"CNN_high_{k}/b_{name}", (n_filters,), why)
+                )
         if n_filters != p:
             why = f"{n_filters} filters → projection_dim {p}"
-            state["token_encoder.projection.weight"] = torch.from_numpy(np.ascontiguousarray(r.get("CNN_proj/W_proj", (n_filters, p), why).T))
+            state["token_encoder.projection.weight"] = torch.from_numpy(
+                np.ascontiguousarray(r.get("CNN_proj/W_proj", (n_filters, p), why).T)
+            )
             state["token_encoder.projection.bias"] = torch.from_numpy(r.get("CNN_proj/b_proj", (p,), why))
         for direction, layer, key in _lstm_keys(config):
             prefix = _lstm_prefix(direction, layer)
@@ -178,8 +187,9 @@ def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path
             put("softmax/b", sd["softmax.bias"])
 
 
-def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | None = None,
-                        vocab_file: str | Path | None = None) -> tuple[Path, Path, Path | None]:
+def resolve_model_files(
+    options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None
+) -> tuple[Path, Path, Path | None]:
     """(options.json, weights.hdf5, vocab.txt or None) of a model directory, or of the files named."""
     source = Path(options_or_dir)
     if source.is_dir():
@@ -196,8 +206,9 @@ def resolve_model_files(options_or_dir: str | Path, weight_file: str | Path | No
     return options, Path(weight_file), Path(vocab_file) if vocab_file is not None else None
 
 
-def read_model_files(options_or_dir: str | Path, weight_file: str | Path | None = None,
-                     vocab_file: str | Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str] | None]:
+def read_model_files(
+    options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor], list[str] | None]:
     """(config, state dict, vocabulary or None) of ``options.json`` + ``weights.hdf5`` (+ ``vocab.txt``)."""
     options_path, weight_path, vocab_path = resolve_model_files(options_or_dir, weight_file, vocab_file)
     config = read_options(options_path)
@@ -211,8 +222,9 @@ def read_model_files(options_or_dir: str | Path, weight_file: str | Path | None 
     return config, read_weights(weight_path, config), vocab
 
 
-def write_model_files(directory: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                      vocab: list[str] | None = None) -> None:
+def write_model_files(
+    directory: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], vocab: list[str] | None = None
+) -> None:
     """options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 # Telemetry off; elmo_core's log lines go to the Prefect run logs.
 os.environ.setdefault("DO_NOT_TRACK", "true")
@@ -44,7 +45,9 @@ class PrefectProgress:
         self.last: dict[str, tuple[float, float]] = {}  # name → (time, share) of the last report
 
     def begin(self, name: str, total: float | None, unit: str) -> None:
-        self.artifacts[name] = create_progress_artifact(0.0, key=f"{name}-progress", description=f"{name}: {unit} done of the stage")
+        self.artifacts[name] = create_progress_artifact(
+            0.0, key=f"{name}-progress", description=f"{name}: {unit} done of the stage"
+        )
         self.last[name] = (time.monotonic(), 0.0)
         self.logger.info("%s: started (%s %s)", name, f"{total:,.0f}" if total else "?", unit)
 
@@ -57,8 +60,16 @@ class PrefectProgress:
         if share - last_share >= 10.0 or now - then >= 60.0:
             self.last[name] = (now, share)
             eta = f", ETA {int(eta_s) // 60}:{int(eta_s) % 60:02d}" if eta_s is not None else ""
-            self.logger.info("%s: %s/%s %s (%.0f%%)%s%s", name, f"{done:,.0f}", f"{total:,.0f}" if total else "?", unit,
-                             share, eta, f", {info}" if info else "")
+            self.logger.info(
+                "%s: %s/%s %s (%.0f%%)%s%s",
+                name,
+                f"{done:,.0f}",
+                f"{total:,.0f}" if total else "?",
+                unit,
+                share,
+                eta,
+                f", {info}" if info else "",
+            )
 
     def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None:
         if name in self.artifacts:

@@ -1,7 +1,8 @@
 """The ``embed`` flow: a corpus into contextual vectors, one Prefect task per unit of work (about
 ``unit_tokens`` tokens of one input row group).
 
-    prefect deployment run embed/embed --params '{"config": {"model": "models:/elmo/latest", "input": "data/ingest", "out": "data/embed"}}'
+    prefect deployment run embed/embed --params '{"config": {"model": "models:/elmo/latest",
+                                                            "input": "data/ingest", "out": "data/embed"}}'
 
 Units are independent; with ``run_on_dask`` (prefect-dask) they spread over a Dask cluster's workers. The flow's
 progress artifact counts the tokens of finished units.
@@ -15,12 +16,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
+import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, prepare
 from flows.common import progress_over, retry_unless_user_error, run_main, stage
 
@@ -32,8 +33,12 @@ _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
 def prepare_embedding(config: EmbedConfig) -> dict[str, Any]:
     """Check the output folder, resolve the model (MLflow URIs too), tokenize text input, and plan the units."""
     job = prepare(config)
-    return {"model_dir": str(job.model_dir), "target": str(job.target), "work": str(job.work),
-            "units": [asdict(u) for u in job.units]}
+    return {
+        "model_dir": str(job.model_dir),
+        "target": str(job.target),
+        "work": str(job.work),
+        "units": [asdict(u) for u in job.units],
+    }
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, tags=["elmo-embed-unit"])
@@ -47,17 +52,29 @@ def embed_unit(config: EmbedConfig, model_dir: str, target: str, unit: dict[str,
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 @stage
-def finish_embedding(config: EmbedConfig, prepared: dict[str, Any], results: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
-    job = Job(config, Path(prepared["model_dir"]), [Unit(**u) for u in prepared["units"]], Path(prepared["target"]),
-              Path(config.out), Path(prepared["work"]))
+def finish_embedding(
+    config: EmbedConfig, prepared: dict[str, Any], results: list[dict[str, Any]], seconds: float
+) -> dict[str, Any]:
+    job = Job(
+        config,
+        Path(prepared["model_dir"]),
+        [Unit(**u) for u in prepared["units"]],
+        Path(prepared["target"]),
+        Path(config.out),
+        Path(prepared["work"]),
+    )
     summary = finish(job, [UnitResult(**{k: v for k, v in r.items() if k != "pid"}) for r in results], seconds)
     out = Path(config.out).resolve()
     column = "elmo" if config.layers == "mix" else "layer_1"
     query = (
-        f"CREATE VIEW emb AS SELECT * FROM read_parquet('{out}/*.parquet');\n"
-        f"SELECT token, text, list_cosine_similarity({column}, (SELECT {column} FROM emb LIMIT 1)) AS similarity\n"
-        f"FROM emb ORDER BY similarity DESC LIMIT 5;"
-    ) if config.pool == "none" else f"SELECT sentence_id, text FROM read_parquet('{out}/*.parquet') LIMIT 5;"
+        (
+            f"CREATE VIEW emb AS SELECT * FROM read_parquet('{out}/*.parquet');\n"
+            f"SELECT token, text, list_cosine_similarity({column}, (SELECT {column} FROM emb LIMIT 1)) AS similarity\n"
+            f"FROM emb ORDER BY similarity DESC LIMIT 5;"
+        )
+        if config.pool == "none"
+        else f"SELECT sentence_id, text FROM read_parquet('{out}/*.parquet') LIMIT 5;"
+    )
     create_markdown_artifact(
         key="embedding-table",
         markdown=f"## Embedding table\n\n`{out}`: {summary.rows:,} rows in {summary.units} files "
@@ -65,13 +82,19 @@ def finish_embedding(config: EmbedConfig, prepared: dict[str, Any], results: lis
         f"Read it with pandas/pyarrow (`pd.read_parquet('{out}')`) or in the `duckdb` shell:\n\n```sql\n{query}\n```\n",
         description="Where the vectors are, and a DuckDB query to try",
     )
-    return {"out": str(out), "rows": summary.rows, "files": summary.units, "query": query, "line": summary.line(),
-            "worker_processes": len({r["pid"] for r in results})}
+    return {
+        "out": str(out),
+        "rows": summary.rows,
+        "files": summary.units,
+        "query": query,
+        "line": summary.line(),
+        "worker_processes": len({r["pid"] for r in results}),
+    }
 
 
 @flow(name="embed", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def embed_flow(config: EmbedConfig) -> dict[str, Any]:
-    """Embed ``config.input`` with ``config.model`` into ``config.out`` (resumable; a rerun does only what is missing)."""
+    """Embed ``config.input`` with ``config.model`` into ``config.out`` (a rerun does only what is missing)."""
     started = time.perf_counter()
     prepared = prepare_embedding(config)
     units = prepared["units"]
@@ -92,8 +115,11 @@ def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int 
     """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one."""
     from prefect_dask import DaskTaskRunner
 
-    runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(
-        cluster_kwargs={"n_workers": n_workers, "threads_per_worker": 1, "processes": True})
+    runner = (
+        DaskTaskRunner(address=address)
+        if address
+        else DaskTaskRunner(cluster_kwargs={"n_workers": n_workers, "threads_per_worker": 1, "processes": True})
+    )
     return embed_flow.with_options(task_runner=runner)(config)
 
 

@@ -15,21 +15,32 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.corpus import write_default_corpus
 from elmo_core.errors import InputError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.ingest import dataset_options, find_inputs, ingest
-from elmo_core.options import (CPU_TRAIN_OPTIONS, DATASET_OPTIONS, EmbedConfig, EmbedOptions, IngestConfig, IngestOptions,
-                               TrainConfig, TrainOptions, VocabConfig, VocabOptions)
+from elmo_core.options import (
+    CPU_TRAIN_OPTIONS,
+    DATASET_OPTIONS,
+    EmbedConfig,
+    EmbedOptions,
+    IngestConfig,
+    IngestOptions,
+    TrainConfig,
+    TrainOptions,
+    VocabConfig,
+    VocabOptions,
+)
 from elmo_core.train import evaluate, export_checkpoint, train
 from elmo_core.vocab import build_vocab
 from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link, retry_unless_user_error, run_main, stage
@@ -46,16 +57,26 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[str] | None = Field(None, description="corpus files/folders/globs; default: Python's own pydoc topics")
+    sources: list[str] | None = Field(
+        None, description="corpus files/folders/globs; default: Python's own pydoc topics"
+    )
     workdir: str = Field("data", description="where every stage writes (relative to the project root)")
     vocab_file: str | None = Field(None, description="keep this vocab.txt (fine-tuning)")
     init_from: str | None = Field(None, description="fine-tune this model directory or MLflow model URI")
-    probes: str | None = Field("data/probes/apple.txt", description="sentences to embed at the end, into <workdir>/probe_vectors")
-    tracking_uri: str | None = Field(None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db")
+    probes: str | None = Field(
+        "data/probes/apple.txt", description="sentences to embed at the end, into <workdir>/probe_vectors"
+    )
+    tracking_uri: str | None = Field(
+        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db"
+    )
     ingest: IngestOptions = Field(MAIN_JOB_INGEST, description="ingest options (over MAIN_JOB_INGEST)")
     vocab: VocabOptions = Field(MAIN_JOB_VOCAB, description="vocab options (over MAIN_JOB_VOCAB)")
-    train: TrainOptions = Field(CPU_TRAIN_OPTIONS, description="training options (over CPU_TRAIN_OPTIONS; a preset replaces its model)")
-    embed: EmbedOptions = Field(MAIN_JOB_EMBED, description="options of the probe sentences' embedding (over MAIN_JOB_EMBED)")
+    train: TrainOptions = Field(
+        CPU_TRAIN_OPTIONS, description="training options (over CPU_TRAIN_OPTIONS; a preset replaces its model)"
+    )
+    embed: EmbedOptions = Field(
+        MAIN_JOB_EMBED, description="options of the probe sentences' embedding (over MAIN_JOB_EMBED)"
+    )
 
     @field_validator("ingest", "vocab", "train", "embed", mode="before")
     @classmethod
@@ -88,18 +109,25 @@ def _run_stage(directory: Path, fingerprint: str, work: Callable[[], dict[str, A
         return stamp["result"]
     result = work()
     directory.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(directory / "_stage.json", json.dumps({"fingerprint": fingerprint, "result": result}, indent=2, default=str) + "\n")
+    write_text_atomic(
+        directory / "_stage.json",
+        json.dumps({"fingerprint": fingerprint, "result": result}, indent=2, default=str) + "\n",
+    )
     return result
 
 
-def _stage_cache_key(directory_param: str, fingerprint_param: str) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
+def _stage_cache_key(
+    directory_param: str, fingerprint_param: str
+) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """Prefect cache key = the input fingerprint, once the stage's stamp on disk confirms its outputs exist."""
 
     def key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
         directory, fingerprint = Path(parameters[directory_param]), parameters[fingerprint_param]
         stamp = _stamp(directory)
         if stamp and stamp["fingerprint"] == fingerprint:
-            return hashlib.sha256(f"{directory.resolve()}:{fingerprint}".encode()).hexdigest()  # a file name in result storage
+            return hashlib.sha256(
+                f"{directory.resolve()}:{fingerprint}".encode()
+            ).hexdigest()  # a file name in result storage
         return None
 
     return key
@@ -115,7 +143,13 @@ def default_corpus(workdir: str) -> list[str]:
     return [str(path)]
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@task(
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_user_error,
+    cache_key_fn=_stage_cache_key("out", "fingerprint"),
+    persist_result=True,
+)
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
@@ -126,20 +160,38 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
         summary = ingest(config)
         if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
             raise InputError("no input could be ingested: " + "; ".join(summary.errors))
-        return {"line": summary.line(), "sentences": summary.sentences, "tokens": summary.tokens, "duplicates": summary.duplicates,
-                "rejected_lines": summary.rejected_lines, "failed_files": summary.errors, "warnings": summary.warnings}
+        return {
+            "line": summary.line(),
+            "sentences": summary.sentences,
+            "tokens": summary.tokens,
+            "duplicates": summary.duplicates,
+            "rejected_lines": summary.rejected_lines,
+            "failed_files": summary.errors,
+            "warnings": summary.warnings,
+        }
 
     result = _run_stage(Path(out), fingerprint, work)
-    create_markdown_artifact(key="ingest-summary", markdown=f"## Ingest\n\n{result['line']}\n", description="Ingest counts")
+    create_markdown_artifact(
+        key="ingest-summary", markdown=f"## Ingest\n\n{result['line']}\n", description="Ingest counts"
+    )
     return result
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@task(
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_user_error,
+    cache_key_fn=_stage_cache_key("out", "fingerprint"),
+    persist_result=True,
+)
 @stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
     result = _run_stage(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
-    create_table_artifact(key="corpus-stats", table=[{"statistic": k, "value": v} for k, v in result.items()],
-                          description="Corpus and vocabulary statistics (DuckDB corpus_stats)")
+    create_table_artifact(
+        key="corpus-stats",
+        table=[{"statistic": k, "value": v} for k, v in result.items()],
+        description="Corpus and vocabulary statistics (DuckDB corpus_stats)",
+    )
     return result
 
 
@@ -153,14 +205,23 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
         Path(out).mkdir(parents=True, exist_ok=True)
         write_text_atomic(started, json.dumps({"fingerprint": fingerprint}) + "\n")
         result = train(config)  # resume=True: an interrupted run with these inputs continues
-        return {"steps": result.steps, "final_loss": result.final_loss, "perplexity": result.perplexity,
-                "model_dir": str(result.model_dir), "run_id": result.run_id, "model_uri": result.model_uri}
+        return {
+            "steps": result.steps,
+            "final_loss": result.final_loss,
+            "perplexity": result.perplexity,
+            "model_dir": str(result.model_dir),
+            "run_id": result.run_id,
+            "model_uri": result.model_uri,
+        }
 
     result = _run_stage(Path(out), fingerprint, work)
     link = mlflow_run_link(config.tracking_uri, result["run_id"]) if config.tracking == "mlflow" else None
     if link:
-        create_markdown_artifact(key="mlflow-run", markdown=f"## MLflow run\n\n[{result['run_id']}]({link}): registered model "
-                                 f"`{result['model_uri']}`\n", description="The training run in the MLflow UI")
+        create_markdown_artifact(
+            key="mlflow-run",
+            markdown=f"## MLflow run\n\n[{result['run_id']}]({link}): registered model `{result['model_uri']}`\n",
+            description="The training run in the MLflow UI",
+        )
     result["mlflow_link"] = link
     return result
 
@@ -179,11 +240,15 @@ def evaluate_stage(model_dir: str, heldout: str, unigram: float | None) -> dict[
     from elmo_core import BiLM
 
     result = evaluate(BiLM.from_pretrained(model_dir), heldout)
-    table = [{"direction": d, "perplexity": round(result[f"perplexity_{d}" if d != "average" else "perplexity"], 2)}
-             for d in ("forward", "backward", "average")]
+    table = [
+        {"direction": d, "perplexity": round(result[f"perplexity_{d}" if d != "average" else "perplexity"], 2)}
+        for d in ("forward", "backward", "average")
+    ]
     if unigram:
         table.append({"direction": "unigram baseline", "perplexity": round(unigram, 2)})
-    create_table_artifact(key="heldout-perplexity", table=table, description="Heldout perplexity of the exported model (full softmax)")
+    create_table_artifact(
+        key="heldout-perplexity", table=table, description="Heldout perplexity of the exported model (full softmax)"
+    )
     return result
 
 
@@ -197,30 +262,68 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     tracking_uri = params.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir / 'mlflow.db'}"
     sources = [str(_absolute(s)) for s in params.sources] if params.sources else default_corpus(str(workdir))
 
-    ingest_dir, vocab_dir, train_dir, export_dir = workdir / "ingest", workdir / "vocab", workdir / "train", workdir / "export"
+    ingest_dir, vocab_dir, train_dir, export_dir = (
+        workdir / "ingest",
+        workdir / "vocab",
+        workdir / "train",
+        workdir / "export",
+    )
     ingest_config = IngestConfig(sources=sources, out=str(ingest_dir), **params.ingest.model_dump())
-    ingested = ingest_stage(ingest_config, str(ingest_dir), fingerprint_files(find_inputs(sources), ingest_config.model_dump()))
+    ingested = ingest_stage(
+        ingest_config, str(ingest_dir), fingerprint_files(find_inputs(sources), ingest_config.model_dump())
+    )
 
-    vocab_config = VocabConfig(corpus=str(ingest_dir), db=str(vocab_dir / "vocab.duckdb"), vocab_file=params.vocab_file,
-                               **params.vocab.model_dump())
-    stats = vocab_stage(vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump()))
+    vocab_config = VocabConfig(
+        corpus=str(ingest_dir),
+        db=str(vocab_dir / "vocab.duckdb"),
+        vocab_file=params.vocab_file,
+        **params.vocab.model_dump(),
+    )
+    stats = vocab_stage(
+        vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump())
+    )
 
-    train_config = TrainConfig(data=str(vocab_dir), out=str(train_dir), init_from=params.init_from, tracking_uri=tracking_uri,
-                               **params.train.model_dump(exclude={"bf16"}))
-    trained = train_stage(train_config, str(train_dir), fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"],
-                                                                           train_config.model_dump(mode="json")))
+    train_config = TrainConfig(
+        data=str(vocab_dir),
+        out=str(train_dir),
+        init_from=params.init_from,
+        tracking_uri=tracking_uri,
+        **params.train.model_dump(exclude={"bf16"}),
+    )
+    trained = train_stage(
+        train_config,
+        str(train_dir),
+        fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.model_dump(mode="json")),
+    )
     model_dir = export_stage(str(train_dir), str(export_dir))
     heldout = vocab_dir / "token_ids" / "heldout"
-    perplexity = evaluate_stage(model_dir, str(heldout), trained["perplexity"].get("perplexity_unigram")) if stats["heldout_tokens"] else {}
+    perplexity = (
+        evaluate_stage(model_dir, str(heldout), trained["perplexity"].get("perplexity_unigram"))
+        if stats["heldout_tokens"]
+        else {}
+    )
 
     embedded = None
     if params.probes:  # the probe sentences' own table, replaced whenever the model changes
-        embedded = embed_flow(EmbedConfig(model=model_dir, input=str(_absolute(params.probes)), out=str(workdir / "probe_vectors"),
-                                          **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True}))
+        embedded = embed_flow(
+            EmbedConfig(
+                model=model_dir,
+                input=str(_absolute(params.probes)),
+                out=str(workdir / "probe_vectors"),
+                **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True},
+            )
+        )
     summary = {
-        "ingest": ingested["line"], "vocab_size": stats["vocab_size"], "perplexity": perplexity, "model_dir": model_dir,
-        "mlflow_run_id": trained["run_id"], "mlflow_model_uri": trained["model_uri"], "mlflow_link": trained.get("mlflow_link"),
-        "tracking_uri": tracking_uri, "embeddings": embedded["out"] if embedded else None, "query": embedded["query"] if embedded else None,
+        "ingest": ingested["line"],
+        "vocab_size": stats["vocab_size"],
+        "perplexity": perplexity,
+        "model_dir": model_dir,
+        "mlflow_run_id": trained["run_id"],
+        "mlflow_model_uri": trained["model_uri"],
+        "mlflow_link": trained.get("mlflow_link"),
+        "tracking_uri": tracking_uri,
+        "embeddings": embedded["out"] if embedded else None,
+        "query": embedded["query"] if embedded else None,
         "register_as": params.train.register_as,
     }
     _print_summary(summary)
@@ -229,22 +332,35 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
 
 def _print_summary(s: dict[str, Any]) -> None:
     ppl = s["perplexity"]
-    lines = ["", "ELMo pipeline finished.", f"  corpus      {s['ingest']}", f"  vocabulary  {int(s['vocab_size']):,} entries"]
+    lines = [
+        "",
+        "ELMo pipeline finished.",
+        f"  corpus      {s['ingest']}",
+        f"  vocabulary  {int(s['vocab_size']):,} entries",
+    ]
     if ppl:
-        lines.append(f"  heldout     perplexity {ppl['perplexity']:.1f} (forward {ppl['perplexity_forward']:.1f}, backward {ppl['perplexity_backward']:.1f})")
+        lines.append(
+            f"  heldout     perplexity {ppl['perplexity']:.1f} (forward {ppl['perplexity_forward']:.1f}, "
+            f"backward {ppl['perplexity_backward']:.1f})"
+        )
     lines.append(f"  model       {s['model_dir']}  (bilm-tf/AllenNLP format: options.json, weights.hdf5, vocab.txt)")
     if s["mlflow_run_id"]:
         store = s["tracking_uri"]
-        lines += [f"  MLflow run  {s['mlflow_run_id']}, registered as {s['mlflow_model_uri']}"
-                  + (f" (the newest version is always models:/{s['register_as']}/latest)" if s["register_as"] else ""),
-                  f"              see it: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui --backend-store-uri {store} "
-                  f"--workers 1 --port 5000  then {s['mlflow_link']}"]
+        lines += [
+            f"  MLflow run  {s['mlflow_run_id']}, registered as {s['mlflow_model_uri']}"
+            + (f" (the newest version is always models:/{s['register_as']}/latest)" if s["register_as"] else ""),
+            "              see it: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui "
+            f"--backend-store-uri {store} --workers 1 --port 5000",
+            f"              then {s['mlflow_link']}",
+        ]
     if s["embeddings"]:
-        lines += [f"  vectors     {s['embeddings']}  (the probe sentences)",
-                  f"  query them  .venv/bin/elmo query {s['embeddings']} --token apples --sentence 'I like to eat apples with a little honey .'",
-                  "  or in the duckdb shell:", *("    " + q for q in s["query"].splitlines())]
-    lines.append(f"  judge it    .venv/bin/elmo probe wsd --model {s['model_dir']} --data SENSES.jsonl --out {Path(s['model_dir']).parent / 'probe_wsd'}"
-                 "  (see the README: word-sense and tagging probes per layer)")
+        lines += [
+            f"  vectors     {s['embeddings']}  (the probe sentences)",
+            f"  query them  .venv/bin/elmo query {s['embeddings']} --token apples "
+            "--sentence 'I like to eat apples with a little honey .'",
+            "  or in the duckdb shell:",
+            *("    " + q for q in s["query"].splitlines()),
+        ]
     print("\n".join(lines))
 
 

@@ -18,9 +18,11 @@ from elmo_core.vocab import TOKEN_IDS_SCHEMA
 def _write_token_ids(path: Path, sentences: list[list[int]], row_group_size: int = 1000) -> None:
     path.mkdir(parents=True, exist_ok=True)
     table = pa.table(
-        {"sentence_id": [f"s{i}" for i in range(len(sentences))],
-         "tokens": [[f"w{t}" for t in s] for s in sentences],
-         "ids": sentences},
+        {
+            "sentence_id": [f"s{i}" for i in range(len(sentences))],
+            "tokens": [[f"w{t}" for t in s] for s in sentences],
+            "ids": sentences,
+        },
         schema=TOKEN_IDS_SCHEMA,
     )
     pq.write_table(table, path / "part-0.parquet", row_group_size=row_group_size)
@@ -50,7 +52,9 @@ def test_a_finite_pass_drops_the_incomplete_batch(tmp_path):
 
 def test_resume_yields_exactly_the_same_batches(tmp_path):
     rng = np.random.default_rng(0)
-    _write_token_ids(tmp_path, [rng.integers(3, 50, size=rng.integers(1, 12)).tolist() for _ in range(300)], row_group_size=40)
+    _write_token_ids(
+        tmp_path, [rng.integers(3, 50, size=rng.integers(1, 12)).tolist() for _ in range(300)], row_group_size=40
+    )
     reference = LMBatcher(tmp_path, batch_size=4, unroll_steps=5, seed=3)
     it = iter(reference)
     for _ in range(57):

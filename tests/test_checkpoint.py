@@ -66,7 +66,10 @@ def test_no_valid_checkpoint_is_one_error_naming_each(tmp_path):
     run = _run(tmp_path)
     for path in list_checkpoints(run):
         _zero(path)
-    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .*checkpoints: .*step-000000030.pt .*step-000000020.pt .*step-000000010.pt"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no valid checkpoint in .*checkpoints: .*step-000000030.pt .*step-000000020.pt .*step-000000010.pt",
+    ):
         load_newest_valid(run)
     assert load_newest_valid(tmp_path / "fresh") is None
 
@@ -87,19 +90,41 @@ def test_train_resume_and_export_survive_a_damaged_newest_checkpoint(tmp_path, b
     from elmo_core.vocab import VocabConfig, build_vocab
     from tests.test_train import FIXTURE_OPTIONS
 
-    ingest(IngestConfig(sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "ingest"), heldout_fraction=0.0))
-    build_vocab(VocabConfig(corpus=str(tmp_path / "ingest"), db=str(tmp_path / "vocab" / "vocab.duckdb"),
-                            vocab_file=str(bilm_tf_dir / "train" / "vocab.txt")))
-    options = {**FIXTURE_OPTIONS, "data": str(tmp_path / "vocab"), "checkpoint_every": 10, "keep_checkpoints": 3, "seed": 3}
+    ingest(
+        IngestConfig(
+            sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "ingest"), heldout_fraction=0.0
+        )
+    )
+    build_vocab(
+        VocabConfig(
+            corpus=str(tmp_path / "ingest"),
+            db=str(tmp_path / "vocab" / "vocab.duckdb"),
+            vocab_file=str(bilm_tf_dir / "train" / "vocab.txt"),
+        )
+    )
+    options = {
+        **FIXTURE_OPTIONS,
+        "data": str(tmp_path / "vocab"),
+        "checkpoint_every": 10,
+        "keep_checkpoints": 3,
+        "seed": 3,
+    }
 
     def train(name: str, *flags: str) -> subprocess.CompletedProcess:
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({**options, "out": str(tmp_path / name)}))
-        return subprocess.run([sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config), *flags], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config), *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     def losses(name: str) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+        return {
+            r["step"]: r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+        }
 
     assert train("ref", "--max-steps", "50").returncode == 0
     assert train("run", "--max-steps", "40").returncode == 0
@@ -107,10 +132,28 @@ def test_train_resume_and_export_survive_a_damaged_newest_checkpoint(tmp_path, b
     assert newest.name == "step-000000040.pt"
     _truncate(newest)
 
-    exported = subprocess.run([sys.executable, "-m", "elmo_core.cli", "export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "exp")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    exported = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elmo_core.cli",
+            "export",
+            "--run",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "exp"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr
-    assert exported.stdout.startswith("export: step 30 of ") and "step-000000040.pt" in exported.stderr and "Traceback" not in exported.stderr
+    assert (
+        exported.stdout.startswith("export: step 30 of ")
+        and "step-000000040.pt" in exported.stderr
+        and "Traceback" not in exported.stderr
+    )
 
     resumed = train("run", "--max-steps", "50", "--resume")
     assert resumed.returncode == 0, resumed.stderr

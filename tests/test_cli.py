@@ -8,7 +8,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _elmo(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_demo_embeds_the_probes_with_the_fixture_model():

@@ -46,7 +46,17 @@ def test_token_rows_all_layers_equal_embed_sentences(corpus, tmp_path, allennlp_
     rows = _read(tmp_path / "out")
     assert summary.rows == len(rows) == sum(len(s.split()) for s in SENTENCES)
     schema = pq.read_schema(sorted((tmp_path / "out").glob("part-*.parquet"))[0])
-    assert schema.names == ["doc_id", "sentence_id", "token_index", "token", "text", "layer_0", "layer_1", "layer_2", "model_id"]
+    assert schema.names == [
+        "doc_id",
+        "sentence_id",
+        "token_index",
+        "token",
+        "text",
+        "layer_0",
+        "layer_1",
+        "layer_2",
+        "model_id",
+    ]
     assert schema.field("layer_2").type.list_size == 32 and schema.field("layer_2").type.value_type == "float"
     bilm = BiLM.from_pretrained(str(allennlp_dir))
     by_sentence: dict[str, list[dict]] = {}
@@ -63,20 +73,34 @@ def test_token_rows_all_layers_equal_embed_sentences(corpus, tmp_path, allennlp_
 
 
 def test_mix_float16_and_mean_pooling(corpus, tmp_path, allennlp_dir):
-    embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "mix"), mix_weights=[0.0, 1.0, 2.0], gamma=0.5, dtype="float16"))
+    embed(
+        EmbedConfig(
+            model=str(allennlp_dir),
+            input=str(corpus),
+            out=str(tmp_path / "mix"),
+            mix_weights=[0.0, 1.0, 2.0],
+            gamma=0.5,
+            dtype="float16",
+        )
+    )
     rows = _read(tmp_path / "mix")
     bilm = BiLM.from_pretrained(str(allennlp_dir))
     s = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum()
     row = next(r for r in rows if r["text"] == SENTENCES[0] and r["token_index"] == 4)
     layers = bilm.embed_sentences([SENTENCES[0].split()])[0][:, 4]
     np.testing.assert_allclose(row["elmo"], 0.5 * (s[:, None] * layers).sum(0), atol=2e-3)  # float16
-    assert pq.read_schema(sorted((tmp_path / "mix").glob("part-*.parquet"))[0]).field("elmo").type.value_type == "halffloat"
+    assert (
+        pq.read_schema(sorted((tmp_path / "mix").glob("part-*.parquet"))[0]).field("elmo").type.value_type
+        == "halffloat"
+    )
     embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "pool"), pool="mean"))
     pooled = _read(tmp_path / "pool")
     assert len(pooled) == len(SENTENCES)
     first = next(r for r in pooled if r["text"] == SENTENCES[0])
     assert first["n_tokens"] == 8
-    np.testing.assert_allclose(first["elmo"], bilm.embed_sentences([SENTENCES[0].split()])[0].mean(0).mean(0), atol=1e-5)
+    np.testing.assert_allclose(
+        first["elmo"], bilm.embed_sentences([SENTENCES[0].split()])[0].mean(0).mean(0), atol=1e-5
+    )
 
 
 def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, allennlp_dir):
@@ -89,7 +113,11 @@ def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, a
     assert files == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
     assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["rows"] == first.rows
     with pytest.raises(ConfigError, match="holds embeddings of another job"):
-        embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out"), layers="all"))
+        embed(
+            EmbedConfig(
+                model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out"), layers="all"
+            )
+        )
 
 
 @pytest.mark.slow
@@ -98,11 +126,27 @@ def test_kill_9_mid_job_then_rerun_gives_exactly_one_row_per_token(tmp_path, all
     words = [f"w{i}" for i in range(300)]
     lines = [" ".join(rng.choice(words, size=rng.integers(3, 30))) + f" s{i}" for i in range(6000)]
     (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "big.txt")], out=str(tmp_path / "ing")))  # one row group: units cut it by tokens
+    ingest(
+        IngestConfig(sources=[str(tmp_path / "big.txt")], out=str(tmp_path / "ing"))
+    )  # one row group: units cut it by tokens
     total_tokens = sum(len(line.split()) for line in lines)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "elmo_core.cli", "embed", "--model", str(allennlp_dir), "--input", str(tmp_path / "ing"), "--out", str(out),
-           "--layers", "all", "--unit-tokens", "4000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elmo_core.cli",
+        "embed",
+        "--model",
+        str(allennlp_dir),
+        "--input",
+        str(tmp_path / "ing"),
+        "--out",
+        str(out),
+        "--layers",
+        "all",
+        "--unit-tokens",
+        "4000",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 180
     while time.time() < deadline and len(list(out.glob("part-*.parquet"))) < 3:
@@ -116,7 +160,7 @@ def test_kill_9_mid_job_then_rerun_gives_exactly_one_row_per_token(tmp_path, all
     assert f"({done} already done)" in rerun.stdout or f"({done + 1} already done)" in rerun.stdout
     con = duckdb.connect()
     files = sorted(str(p) for p in out.glob("part-*.parquet"))
-    rel = con.read_parquet(files)
+    rel = con.read_parquet(files)  # noqa: F841  (DuckDB finds the relation by its variable name)
     rows, distinct = con.execute("SELECT count(*), count(DISTINCT (sentence_id, token_index)) FROM rel").fetchone()
     assert rows == distinct == total_tokens
     assert not list(out.glob("*.tmp"))
@@ -143,8 +187,25 @@ def test_query_nearest_tokens_and_sentences(corpus, tmp_path, allennlp_dir):
 
 def test_query_cli(corpus, tmp_path, allennlp_dir):
     embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "tok")))
-    result = subprocess.run([sys.executable, "-m", "elmo_core.cli", "query", str(tmp_path / "tok"), "--token", "Apple",
-                             "--sentence", SENTENCES[1], "-k", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elmo_core.cli",
+            "query",
+            str(tmp_path / "tok"),
+            "--token",
+            "Apple",
+            "--sentence",
+            SENTENCES[1],
+            "-k",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"nearest to 'Apple' (token 4) in: {SENTENCES[1]}")
     assert len(result.stdout.strip().splitlines()) == 4
@@ -166,12 +227,29 @@ def test_a_model_trained_here_separates_two_senses_that_layer_0_cannot(tmp_path)
 
     lines = [sentence(river if i % 2 else money) for i in range(3000)]
     (tmp_path / "senses.txt").write_text("\n".join(lines) + "\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "senses.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0, dedup=False))
+    ingest(
+        IngestConfig(
+            sources=[str(tmp_path / "senses.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0, dedup=False
+        )
+    )
     build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v" / "vocab.duckdb")))
-    model = {"char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16], [4, 16]], "n_highway": 1},
-             "lstm": {"dim": 32, "projection_dim": 16, "n_layers": 2}}
-    result = train(TrainConfig(data=str(tmp_path / "v"), out=str(tmp_path / "run"), model=model, batch_size=16, unroll_steps=10,
-                               max_steps=250, n_negative_samples_batch=16, tracking="none", seed=1))
+    model = {
+        "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16], [4, 16]], "n_highway": 1},
+        "lstm": {"dim": 32, "projection_dim": 16, "n_layers": 2},
+    }
+    result = train(
+        TrainConfig(
+            data=str(tmp_path / "v"),
+            out=str(tmp_path / "run"),
+            model=model,
+            batch_size=16,
+            unroll_steps=10,
+            max_steps=250,
+            n_negative_samples_batch=16,
+            tracking="none",
+            seed=1,
+        )
+    )
     river_probes = [sentence(river) for _ in range(6)]
     money_probes = [sentence(money) for _ in range(6)]
     river, probes_text = set(river_probes), river_probes + money_probes
@@ -206,8 +284,14 @@ def test_a_model_trained_here_separates_two_senses_that_layer_0_cannot(tmp_path)
 def test_the_readme_apple_query_runs_on_an_embedding_of_the_probes(tmp_path, allennlp_dir):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     sql = readme.split("<!-- apple-query -->", 1)[1].split("```sql", 1)[1].split("```", 1)[0]
-    embed(EmbedConfig(model=str(allennlp_dir), input=str(ROOT / "data" / "probes" / "apple.txt"), out=str(tmp_path / "embed"),
-                      tokenizer="unicode"))
+    embed(
+        EmbedConfig(
+            model=str(allennlp_dir),
+            input=str(ROOT / "data" / "probes" / "apple.txt"),
+            out=str(tmp_path / "embed"),
+            tokenizer="unicode",
+        )
+    )
     con = duckdb.connect()
     statements = [s for s in sql.replace("data/probe_vectors/", f"{tmp_path}/embed/").split(";") if s.strip()]
     for statement in statements[:-1]:

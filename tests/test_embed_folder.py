@@ -33,7 +33,9 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 
 def _elmo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def _one_line_error(result: subprocess.CompletedProcess, command: str) -> str:
@@ -89,14 +91,16 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     with pytest.raises(InputError):
         embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "missing.txt"), out=str(out)))
-    with pytest.raises(Exception):
+    with pytest.raises(InputError, match="no options.json"):
         embed(EmbedConfig(model=str(tmp_path / "no_model"), input=str(_write(tmp_path / "a.txt", A)), out=str(out)))
     assert not out.exists() and not work_dir(out).exists()
 
 
 def test_units_are_bounded_by_tokens_whatever_the_row_groups(tmp_path):
     lines = [" ".join(f"w{j}" for j in range(1 + i % 30)) + f" s{i}" for i in range(2000)]
-    ingest(IngestConfig(sources=[str(_write(tmp_path / "c.txt", lines))], out=str(tmp_path / "ing"), heldout_fraction=0.0))
+    ingest(
+        IngestConfig(sources=[str(_write(tmp_path / "c.txt", lines))], out=str(tmp_path / "ing"), heldout_fraction=0.0)
+    )
     shards = shard_paths(tmp_path / "ing")
     assert pq.ParquetFile(shards[0]).num_row_groups == 1  # one row group of 2,000 sentences
     units = plan_units(shards, unit_tokens=1000)
@@ -118,14 +122,22 @@ def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_
     (tmp_path / "bin.txt").write_bytes(b"\x00\x01 binary\n")
     ingest(IngestConfig(sources=[str(tmp_path / "bin.txt")], out=str(tmp_path / "rejected")))
     assert not shard_paths(tmp_path / "rejected")
-    line = _one_line_error(_elmo("embed", "--model", model, "--input", str(tmp_path / "rejected"), "--out", str(tmp_path / "o1")), "embed")
-    assert "an ingested dataset with no shards: every input was rejected" in line and "NUL byte" in line and "rerun `elmo ingest`" in line
+    line = _one_line_error(
+        _elmo("embed", "--model", model, "--input", str(tmp_path / "rejected"), "--out", str(tmp_path / "o1")), "embed"
+    )
+    assert (
+        "an ingested dataset with no shards: every input was rejected" in line
+        and "NUL byte" in line
+        and "rerun `elmo ingest`" in line
+    )
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     _write(corpus / "part1.txt", A)
     _write(corpus / "README.md", ["# About this corpus"])
-    line = _one_line_error(_elmo("embed", "--model", model, "--input", str(corpus), "--out", str(tmp_path / "o2")), "embed")
+    line = _one_line_error(
+        _elmo("embed", "--model", model, "--input", str(corpus), "--out", str(tmp_path / "o2")), "embed"
+    )
     assert "holds files that are not corpus text (README.md)" in line and f"'{corpus}/*.txt'" in line
 
     other = tmp_path / "someone_elses"
@@ -146,5 +158,9 @@ def test_the_walkthrough_conflict_from_the_cli(tmp_path, allennlp_dir):
     done = _elmo("embed", "--model", model, "--input", str(tmp_path / "ing"), "--out", out, "--overwrite")
     assert done.returncode == 0, done.stderr
     count = duckdb.connect().execute("SELECT count(*) FROM read_parquet($p)", {"p": f"{out}/*.parquet"}).fetchone()[0]
-    tokens = duckdb.connect().execute("SELECT sum(n_tokens) FROM read_parquet($p)", {"p": f"{tmp_path}/ing/*.parquet"}).fetchone()[0]
+    tokens = (
+        duckdb.connect()
+        .execute("SELECT sum(n_tokens) FROM read_parquet($p)", {"p": f"{tmp_path}/ing/*.parquet"})
+        .fetchone()[0]
+    )
     assert count == tokens

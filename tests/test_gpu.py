@@ -27,9 +27,9 @@ def test_cuda_bf16_autocast_is_close(allennlp_dir):
 
 
 def test_cudnn_fused_path_matches_general_on_cuda():
+    from elmo_core import batch_to_ids
     from elmo_core.config import tiny
     from elmo_core.model import init_bilm_tf
-    from elmo_core import batch_to_ids
 
     torch.manual_seed(0)
     config = tiny().model_copy(update={"lstm": tiny().lstm.model_copy(update={"cell_clip": None, "proj_clip": None})})

@@ -50,7 +50,15 @@ def test_text_gz_bz2_jsonl_parquet_and_folders(tmp_path):
         f.write("a bzipped line .")  # no trailing newline
     (src / "d.jsonl").write_text(json.dumps({"body": "json text here ."}) + "\n")
     pq.write_table(pa.table({"content": ["parquet row one .", "parquet row two ."]}), src / "e.parquet")
-    summary = ingest(IngestConfig(sources=[str(src)], out=str(tmp_path / "out"), text_field="body", text_column="content", heldout_fraction=0.0))
+    summary = ingest(
+        IngestConfig(
+            sources=[str(src)],
+            out=str(tmp_path / "out"),
+            text_field="body",
+            text_column="content",
+            heldout_fraction=0.0,
+        )
+    )
     assert (summary.files_ingested, summary.files_failed, summary.sentences) == (5, 0, 7)
     rows = _rows(tmp_path / "out")
     assert {r["text"] for r in rows} >= {"the cat sat .", "a bzipped line .", "json text here .", "parquet row two ."}
@@ -149,14 +157,34 @@ def test_split_is_stable_and_near_the_fraction(tmp_path):
 
 def test_tokenizers_and_sentence_splitting(tmp_path):
     assert unicode_tokens("Don't pay $3.50 at https://x.org/a?b=1, e-mail a.b@c.com!") == [
-        "Don't", "pay", "$", "3.50", "at", "https://x.org/a?b=1", ",", "e-mail", "a.b@c.com", "!"]
-    assert split_sentences("It rained. Then it stopped! Did it? 天晴了。我们走吧") == ["It rained.", "Then it stopped!", "Did it?", "天晴了。", "我们走吧"]
+        "Don't",
+        "pay",
+        "$",
+        "3.50",
+        "at",
+        "https://x.org/a?b=1",
+        ",",
+        "e-mail",
+        "a.b@c.com",
+        "!",
+    ]
+    assert split_sentences("It rained. Then it stopped! Did it? 天晴了。我们走吧") == [
+        "It rained.",
+        "Then it stopped!",
+        "Did it?",
+        "天晴了。",
+        "我们走吧",
+    ]
     (tmp_path / "zh.txt").write_text("我喜欢吃苹果。\n苹果发布了新手机。\n")
     ingest(IngestConfig(sources=[str(tmp_path / "zh.txt")], out=str(tmp_path / "out"), tokenizer="chinese"))
     tokens = [r["tokens"] for r in _rows(tmp_path / "out")]
     assert all("苹果" in t for t in tokens)
     (tmp_path / "para.txt").write_text("First one. Second one.\nStill second.\n\nThird paragraph here.\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "para.txt")], out=str(tmp_path / "p"), tokenizer="unicode", split_sentences=True))
+    ingest(
+        IngestConfig(
+            sources=[str(tmp_path / "para.txt")], out=str(tmp_path / "p"), tokenizer="unicode", split_sentences=True
+        )
+    )
     rows = _rows(tmp_path / "p")
     assert [r["text"] for r in rows] == ["First one.", "Second one.", "Still second.", "Third paragraph here."]
     assert rows[0]["doc_id"] == rows[2]["doc_id"] != rows[3]["doc_id"]
@@ -242,15 +270,28 @@ def test_hash_set_matches_a_python_set():
 def test_block_boundaries_change_nothing(tmp_path, monkeypatch):
     """Text is read in blocks cut at line ends; tiny blocks give the same rows as one block, and the rows
     agree with str.split whatever the line endings, separators or invalid bytes."""
-    lines = [b"one two\r", b"", b"  three\xc2\xa0four  ", b"five\xe2\x80\x94six", b"bro\xffken line", b"\t", b"ideo\xe3\x80\x80graphic",
-             " ".join(f"w{i}" for i in range(250)).encode(), b"last line, no newline"]
+    lines = [
+        b"one two\r",
+        b"",
+        b"  three\xc2\xa0four  ",
+        b"five\xe2\x80\x94six",
+        b"bro\xffken line",
+        b"\t",
+        b"ideo\xe3\x80\x80graphic",
+        " ".join(f"w{i}" for i in range(250)).encode(),
+        b"last line, no newline",
+    ]
     (tmp_path / "a.txt").write_bytes(b"\n".join(lines))
     whole = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "one"), max_tokens=100))
     monkeypatch.setattr(ingest_module, "READ_BLOCK_BYTES", 7)
     pieces = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "many"), max_tokens=100))
     rows = _rows(tmp_path / "one")
     assert rows == _rows(tmp_path / "many")
-    assert (whole.sentences, whole.invalid_utf8_lines, whole.tokens) == (pieces.sentences, pieces.invalid_utf8_lines, pieces.tokens) == (9, 1, 263)
+    assert (
+        (whole.sentences, whole.invalid_utf8_lines, whole.tokens)
+        == (pieces.sentences, pieces.invalid_utf8_lines, pieces.tokens)
+        == (9, 1, 263)
+    )
     assert all(r["tokens"] == r["text"].split() for r in rows)
     by_id = {r["sentence_id"].split(":", 1)[1]: r["text"] for r in rows}
     assert by_id["l1:0"] == "one two" and by_id["l3:0"] == "three\xa0four" and by_id["l5:0"] == "bro\ufffdken line"
@@ -272,7 +313,9 @@ def test_the_same_text_compressed_twice_gets_the_same_ids_and_split(tmp_path):
     assert tables[0] == tables[1] == tables[2]
     assert {split for *_, split, _ in tables[0]} == {"train", "heldout"}
     # into one dataset, the second copy of the same text is recognised as already ingested
-    both = ingest(IngestConfig(sources=[str(tmp_path / "a.txt.gz"), str(tmp_path / "b.txt.gz")], out=str(tmp_path / "one")))
+    both = ingest(
+        IngestConfig(sources=[str(tmp_path / "a.txt.gz"), str(tmp_path / "b.txt.gz")], out=str(tmp_path / "one"))
+    )
     assert (both.files_ingested, both.files_skipped) == (1, 1)
 
 
@@ -283,10 +326,16 @@ def test_a_folder_with_documents_beside_the_text_is_refused(tmp_path):
     (tmp_path / "src" / "a.txt").write_text("one line .\n")
     (tmp_path / "src" / "LICENSE").write_text("Permission is hereby granted\n")
     (tmp_path / "src" / "news-00001-of-00100").write_text("files without a suffix are corpus files .\n")
-    with pytest.raises(InputError, match=r"holds files that are not corpus text \(LICENSE\); name the corpus files or a glob"):
+    with pytest.raises(
+        InputError, match=r"holds files that are not corpus text \(LICENSE\); name the corpus files or a glob"
+    ):
         ingest(IngestConfig(sources=[str(tmp_path / "src")], out=str(tmp_path / "out")))
     assert not (tmp_path / "out").exists()
-    done = ingest(IngestConfig(sources=[str(tmp_path / "src" / "a.txt"), str(tmp_path / "src" / "news-*")], out=str(tmp_path / "out")))
+    done = ingest(
+        IngestConfig(
+            sources=[str(tmp_path / "src" / "a.txt"), str(tmp_path / "src" / "news-*")], out=str(tmp_path / "out")
+        )
+    )
     assert done.files_ingested == 2
 
 

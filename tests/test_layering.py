@@ -10,13 +10,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # elmo_core from the bottom up: a module may import only modules listed before it.
 LAYERS = [
-    "errors", "fileio", "progress", "precision",           # plumbing
-    "chars", "config", "tokenize", "options",              # ids, the model config, every stage's options
-    "ingest", "vocab", "batches",                          # text → Parquet → DuckDB vocab → batches
-    "weights", "inference", "model", "__init__",           # weight files, running over sentences, the network
-    "softmax", "checkpoint", "tracking", "train",          # training
-    "embed", "query", "corpus",                            # embeddings, queries, the default corpus
-    "mlflow_model", "cli",                                 # entry points
+    "errors",
+    "fileio",
+    "progress",
+    "precision",  # plumbing
+    "chars",
+    "config",
+    "tokenize",
+    "options",  # ids, the model config, every stage's options
+    "ingest",
+    "vocab",
+    "batches",  # text → Parquet → DuckDB vocab → batches
+    "weights",
+    "inference",
+    "model",
+    "__init__",  # weight files, running over sentences, the network
+    "softmax",
+    "checkpoint",
+    "tracking",
+    "train",  # training
+    "embed",
+    "query",
+    "corpus",  # embeddings, queries, the default corpus
+    "mlflow_model",
+    "cli",  # entry points
 ]
 
 
@@ -24,7 +41,11 @@ def _imported_modules(path: Path) -> set[str]:
     """elmo_core modules a file imports, at module level or inside functions."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and (node.module == "elmo_core" or node.module.startswith("elmo_core.")):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and (node.module == "elmo_core" or node.module.startswith("elmo_core."))
+        ):
             if node.module == "elmo_core":  # `from elmo_core import x`: a module, or the package's exports
                 found |= {a.name if (ROOT / "elmo_core" / f"{a.name}.py").exists() else "__init__" for a in node.names}
             else:
@@ -50,9 +71,11 @@ def test_weights_never_builds_a_model():
 
 
 def test_elmo_core_imports_without_prefect_or_mlflow():
-    code = ("import sys, elmo_core, elmo_core.cli, elmo_core.train, elmo_core.embed, elmo_core.ingest, elmo_core.query, "
-            "elmo_core.batches, elmo_core.tracking; bad = [m for m in ('prefect', 'mlflow', 'flows') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, elmo_core, elmo_core.cli, elmo_core.train, elmo_core.embed, elmo_core.ingest, elmo_core.query, "
+        "elmo_core.batches, elmo_core.tracking; bad = [m for m in ('prefect', 'mlflow', 'flows') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -61,7 +84,13 @@ def test_no_module_of_elmo_core_imports_flows_or_prefect():
     for path in (ROOT / "elmo_core").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert not name.startswith(("flows", "prefect")), f"{path.name} imports {name}"
                 if name.startswith("mlflow"):

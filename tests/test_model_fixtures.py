@@ -21,7 +21,9 @@ def _expected(path: Path, i: int) -> np.ndarray:
         return np.concatenate([f[str(i)][0], f[str(i)][1]], axis=-1)
 
 
-def _max_protocol_error(bilm: BiLM, sentences, expected_pattern: Path, to_ids=batch_to_ids, stateful=True, token_table=None) -> float:
+def _max_protocol_error(
+    bilm: BiLM, sentences, expected_pattern: Path, to_ids=batch_to_ids, stateful=True, token_table=None
+) -> float:
     """The fixtures' stateful protocol: batch i holds sentences[0][i], [1][i], [2][i]; state carried by row."""
     state = None
     worst = 0.0
@@ -41,7 +43,9 @@ def _max_protocol_error(bilm: BiLM, sentences, expected_pattern: Path, to_ids=ba
 
 @pytest.fixture(scope="module")
 def bilm_tf_model(bilm_tf_dir) -> BiLM:
-    return BiLM.from_pretrained(str(bilm_tf_dir / "model" / "options.json"), str(bilm_tf_dir / "model" / "lm_weights.hdf5"))
+    return BiLM.from_pretrained(
+        str(bilm_tf_dir / "model" / "options.json"), str(bilm_tf_dir / "model" / "lm_weights.hdf5")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,9 @@ def test_allennlp_fixture_with_skip_connections(allennlp_model, allennlp_dir, fi
 
 def test_zero_state_per_batch_does_not_match_the_fixture(allennlp_model, allennlp_dir, fixture_sentences):
     """The fixture really tests state carrying: stateless calls are off by far more than the tolerance."""
-    err = _max_protocol_error(allennlp_model, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", stateful=False)
+    err = _max_protocol_error(
+        allennlp_model, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", stateful=False
+    )
     assert err > 0.5
 
 
@@ -79,7 +85,9 @@ def test_context_independent_token_embeddings(allennlp_model, allennlp_dir):
 def test_token_input_mode_reproduces_the_fixture(allennlp_dir, fixture_sentences):
     bilm = BiLM.from_pretrained(str(allennlp_dir / "options.json"), str(allennlp_dir / "lm_weights.hdf5"))
     cache = TokenCache(bilm, read_vocab_file(allennlp_dir / "vocab_test.txt"))
-    err = _max_protocol_error(bilm, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", to_ids=cache.ids, token_table=cache.table)
+    err = _max_protocol_error(
+        bilm, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5", to_ids=cache.ids, token_table=cache.table
+    )
     assert err < ATOL
 
 

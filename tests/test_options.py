@@ -39,13 +39,25 @@ def test_every_cli_flag_is_a_field_and_every_field_a_flag():
 def test_defaults_then_config_file_then_flags(tmp_path):
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump({"data": "d", "out": "o", "batch_size": 7, "unroll_steps": 5}))
-    args = build_parser().parse_args(["train", "--config", str(config), "--batch-size", "9", "--no-resume", "--model",
-                                      '{"lstm": {"dim": 32, "projection_dim": 8}, "char_cnn": {"filters": [[1, 8]]}}'])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--config",
+            str(config),
+            "--batch-size",
+            "9",
+            "--no-resume",
+            "--model",
+            '{"lstm": {"dim": 32, "projection_dim": 8}, "char_cnn": {"filters": [[1, 8]]}}',
+        ]
+    )
     options = parse_config(TrainConfig, args)
     assert (options.batch_size, options.unroll_steps, options.dropout) == (9, 5, 0.1)  # flag, file, default
     assert options.model.lstm.dim == 32 and options.architecture().lstm.projection_dim == 8
     with pytest.raises(ConfigError, match=r"--batch-size: Input should be greater than 0 \(got -1\)"):
-        parse_config(TrainConfig, build_parser().parse_args(["train", "--data", "d", "--out", "o", "--batch-size", "-1"]))
+        parse_config(
+            TrainConfig, build_parser().parse_args(["train", "--data", "d", "--out", "o", "--batch-size", "-1"])
+        )
     with pytest.raises(ConfigError, match="--out: Field required"):
         parse_config(TrainConfig, build_parser().parse_args(["train", "--data", "d"]))
 

@@ -23,11 +23,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-CORPUS = "\n".join(
-    f"the {a} {b} sat on the {c} near the {d} ." for a, b, c, d in
-    [("old", "cat", "mat", "door"), ("young", "dog", "rug", "fire"), ("small", "bird", "branch", "nest"),
-     ("big", "horse", "hill", "barn"), ("red", "fox", "log", "river"), ("grey", "mouse", "floor", "wall")] * 5
-) + "\nI like to eat apples .\nMany people find the Apple phone easy to use .\n"
+CORPUS = (
+    "\n".join(
+        f"the {a} {b} sat on the {c} near the {d} ."
+        for a, b, c, d in [
+            ("old", "cat", "mat", "door"),
+            ("young", "dog", "rug", "fire"),
+            ("small", "bird", "branch", "nest"),
+            ("big", "horse", "hill", "barn"),
+            ("red", "fox", "log", "river"),
+            ("grey", "mouse", "floor", "wall"),
+        ]
+        * 5
+    )
+    + "\nI like to eat apples .\nMany people find the Apple phone easy to use .\n"
+)
 
 
 def _free_port() -> int:
@@ -51,12 +61,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect_home")
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "DO_NOT_TRACK": "true",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "DO_NOT_TRACK": "true",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
+        "PYTHONUNBUFFERED": "1",
+    }
     log = open(home / "server.log", "w")
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while True:
@@ -65,7 +88,9 @@ def prefect_server(tmp_path_factory):
                 break
             except OSError:
                 if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"Prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"Prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.5)
         yield env
     finally:
@@ -74,7 +99,9 @@ def prefect_server(tmp_path_factory):
 
 
 def _prefect(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [str(BIN / "prefect"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, f"prefect {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -83,19 +110,38 @@ def _check_mlflow_ui(env: dict, run_id: str, tmp_path: Path) -> None:
     """The README's `mlflow ui --backend-store-uri ...` serves the run."""
     port = _free_port()
     log = open(tmp_path / "mlflow.log", "w")
-    ui = subprocess.Popen([str(BIN / "mlflow"), "ui", "--backend-store-uri", env["MLFLOW_TRACKING_URI"], "--host", "127.0.0.1",
-                           "--port", str(port), "--workers", "1"], env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ui = subprocess.Popen(
+        [
+            str(BIN / "mlflow"),
+            "ui",
+            "--backend-store-uri",
+            env["MLFLOW_TRACKING_URI"],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=5) as r:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=5
+                ) as r:
                     assert json.loads(r.read())["run"]["info"]["run_id"] == run_id
                 break
             except OSError:
                 if time.time() > deadline or ui.poll() is not None:
-                    raise RuntimeError(f"mlflow ui did not serve the run: {(tmp_path / 'mlflow.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"mlflow ui did not serve the run: {(tmp_path / 'mlflow.log').read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.5)
     finally:
         _kill_group(ui)
@@ -103,8 +149,12 @@ def _check_mlflow_ui(env: dict, run_id: str, tmp_path: Path) -> None:
 
 
 def _api(env: dict, path: str, body: dict) -> list[dict]:
-    request = urllib.request.Request(env["PREFECT_API_URL"] + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        env["PREFECT_API_URL"] + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -154,10 +204,27 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
     deployed = _prefect(env, "--no-prompt", "deploy", "--all")
     assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout
     worker_log = open(tmp_path / "worker.log", "w")
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "local"], cwd=ROOT, env=env,
-                              stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "local"],
+        cwd=ROOT,
+        env=env,
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        run = _prefect(env, "deployment", "run", "elmo/train", "--params", params("elmo/train"), "--watch", "--watch-timeout", "900", timeout=1000)
+        run = _prefect(
+            env,
+            "deployment",
+            "run",
+            "elmo/train",
+            "--params",
+            params("elmo/train"),
+            "--watch",
+            "--watch-timeout",
+            "900",
+            timeout=1000,
+        )
         assert "Completed" in run.stdout, run.stdout[-3000:]
 
         from mlflow.tracking import MlflowClient
@@ -166,13 +233,26 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         experiment = client.get_experiment_by_name("elmo")
         (mlrun,) = client.search_runs([experiment.experiment_id])
         assert mlrun.info.status == "FINISHED"
-        assert {"loss", "perplexity_forward", "perplexity_backward", "tokens_per_s", "heldout_perplexity"} <= set(mlrun.data.metrics)
+        assert {"loss", "perplexity_forward", "perplexity_backward", "tokens_per_s", "heldout_perplexity"} <= set(
+            mlrun.data.metrics
+        )
         assert mlrun.data.params["config.preset"] == "small" and mlrun.data.params["config.batch_size"] == "128"
         assert {"export", "checkpoint", "config.json"} <= {a.path for a in client.list_artifacts(mlrun.info.run_id)}
         assert [int(v.version) for v in client.search_model_versions("name = 'elmo'")] == [1]
         _check_mlflow_ui(env, mlrun.info.run_id, tmp_path)
 
-        run = _prefect(env, "deployment", "run", "embed/embed", "--params", params("embed/embed"), "--watch", "--watch-timeout", "600", timeout=700)
+        run = _prefect(
+            env,
+            "deployment",
+            "run",
+            "embed/embed",
+            "--params",
+            params("embed/embed"),
+            "--watch",
+            "--watch-timeout",
+            "600",
+            timeout=700,
+        )
         assert "Completed" in run.stdout, run.stdout[-3000:]
         _check_progress_in_the_ui(env)
     finally:
@@ -180,15 +260,26 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         worker_log.close()
 
     con = duckdb.connect()
-    tokens = con.execute("SELECT sum(n_tokens) FROM read_parquet($p)", {"p": str(runs / "ingest" / "part-*.parquet")}).fetchone()[0]
-    rows, sentences = con.execute("SELECT count(*), count(DISTINCT sentence_id) FROM read_parquet($p)",
-                                  {"p": str(runs / "embed" / "**" / "*.parquet")}).fetchone()
+    tokens = con.execute(
+        "SELECT sum(n_tokens) FROM read_parquet($p)", {"p": str(runs / "ingest" / "part-*.parquet")}
+    ).fetchone()[0]
+    rows, sentences = con.execute(
+        "SELECT count(*), count(DISTINCT sentence_id) FROM read_parquet($p)",
+        {"p": str(runs / "embed" / "**" / "*.parquet")},
+    ).fetchone()
     assert rows == tokens and sentences == 8  # 6 distinct template sentences + the two apple sentences
-    probe_tokens = sum(len(line.split()) for line in (ROOT / "data" / "probes" / "apple.txt").read_text(encoding="utf-8").splitlines())
-    probe_rows = con.execute("SELECT count(*) FROM read_parquet($p)", {"p": str(runs / "probe_vectors" / "*.parquet")}).fetchone()[0]
+    probe_tokens = sum(
+        len(line.split()) for line in (ROOT / "data" / "probes" / "apple.txt").read_text(encoding="utf-8").splitlines()
+    )
+    probe_rows = con.execute(
+        "SELECT count(*) FROM read_parquet($p)", {"p": str(runs / "probe_vectors" / "*.parquet")}
+    ).fetchone()[0]
     assert probe_rows == probe_tokens  # the pipeline's probe vectors have their own table
-    top = con.execute("SELECT token, list_cosine_similarity(elmo, (SELECT elmo FROM read_parquet($p) WHERE token = 'apples')) AS s "
-                      "FROM read_parquet($p) WHERE token <> 'apples' ORDER BY s DESC LIMIT 1", {"p": str(runs / "embed" / "*.parquet")}).fetchone()
+    top = con.execute(
+        "SELECT token, list_cosine_similarity(elmo, (SELECT elmo FROM read_parquet($p) WHERE token = 'apples')) AS s "
+        "FROM read_parquet($p) WHERE token <> 'apples' ORDER BY s DESC LIMIT 1",
+        {"p": str(runs / "embed" / "*.parquet")},
+    ).fetchone()
     assert -1.0 <= top[1] <= 1.0
 
 
@@ -200,16 +291,28 @@ def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allen
 
     lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(["apple", "phone", "river", "bank"] * 50)]
     (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
-    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing")))  # one row group, cut into units by tokens
-    script = ("import json, sys; from flows.embed import run_on_dask; from elmo_core.embed import EmbedConfig; "
-              "print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))")
-    config = EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=280)  # 40 sentences a unit: 5 units
-    result = subprocess.run([sys.executable, "-c", script, config.model_dump_json()], cwd=ROOT, env={**os.environ},
-                            capture_output=True, text=True, timeout=600)
+    ingest(
+        IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"))
+    )  # one row group, cut into units by tokens
+    script = (
+        "import json, sys; from flows.embed import run_on_dask; from elmo_core.embed import EmbedConfig; "
+        "print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))"
+    )
+    config = EmbedConfig(
+        model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=280
+    )  # 40 sentences a unit: 5 units
+    result = subprocess.run(
+        [sys.executable, "-c", script, config.model_dump_json()],
+        cwd=ROOT,
+        env={**os.environ},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["files"] == 5
     assert summary["worker_processes"] == 2  # the units ran in both Dask worker processes
     con = duckdb.connect()
-    rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))
+    rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))  # noqa: F841  (used by name)
     assert con.execute("SELECT count(*) FROM rel").fetchone()[0] == sum(len(line.split()) for line in lines)

@@ -37,9 +37,22 @@ def test_ingest_vocab_train_evaluate_and_embed_report_progress(tmp_path, allennl
     with add_sink(recorder):
         ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.2))
         build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v" / "vocab.duckdb")))
-        train(TrainConfig(data=str(tmp_path / "v"), out=str(tmp_path / "run"), max_steps=6, batch_size=4, unroll_steps=5,
-                          n_negative_samples_batch=8, tracking="none"))
-        embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=200))
+        train(
+            TrainConfig(
+                data=str(tmp_path / "v"),
+                out=str(tmp_path / "run"),
+                max_steps=6,
+                batch_size=4,
+                unroll_steps=5,
+                n_negative_samples_batch=8,
+                tracking="none",
+            )
+        )
+        embed(
+            EmbedConfig(
+                model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=200
+            )
+        )
     assert set(recorder.stages("end")) == {"ingest", "vocab", "train", "evaluate", "embed"}
     for stage in ("ingest", "vocab", "train", "evaluate", "embed"):
         assert stage in recorder.stages("begin") and stage in recorder.stages("update")

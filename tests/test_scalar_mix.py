@@ -7,7 +7,9 @@ import torch
 from elmo_core import ScalarMix
 
 
-def _reference(layers: list[np.ndarray], mask: np.ndarray, w: list[float], gamma: float, layer_norm: bool) -> np.ndarray:
+def _reference(
+    layers: list[np.ndarray], mask: np.ndarray, w: list[float], gamma: float, layer_norm: bool
+) -> np.ndarray:
     s = np.exp(w) / np.exp(w).sum()
     out = np.zeros_like(layers[0], dtype=np.float64)
     for weight, x in zip(s, layers):

@@ -25,11 +25,31 @@ from elmo_core.vocab import VocabConfig, build_vocab
 ROOT = Path(__file__).resolve().parent.parent
 # bilm-tf's training-test model (fixtures README): chars, tanh, 1 highway, 2x16_8 with skip connections
 FIXTURE_MODEL = {
-    "char_cnn": {"embedding": {"dim": 4}, "filters": [[1, 8], [2, 8], [3, 16], [4, 32], [5, 64]], "n_highway": 1, "activation": "tanh"},
-    "lstm": {"dim": 16, "projection_dim": 8, "n_layers": 2, "cell_clip": 3, "proj_clip": 3, "use_skip_connections": True},
+    "char_cnn": {
+        "embedding": {"dim": 4},
+        "filters": [[1, 8], [2, 8], [3, 16], [4, 32], [5, 64]],
+        "n_highway": 1,
+        "activation": "tanh",
+    },
+    "lstm": {
+        "dim": 16,
+        "projection_dim": 8,
+        "n_layers": 2,
+        "cell_clip": 3,
+        "proj_clip": 3,
+        "use_skip_connections": True,
+    },
 }
-FIXTURE_OPTIONS = {"model": FIXTURE_MODEL, "batch_size": 2, "unroll_steps": 10, "n_negative_samples_batch": 16,
-                   "all_clip_norm_val": 1.0, "dropout": 0.1, "tracking": "none", "log_every": 50}
+FIXTURE_OPTIONS = {
+    "model": FIXTURE_MODEL,
+    "batch_size": 2,
+    "unroll_steps": 10,
+    "n_negative_samples_batch": 16,
+    "all_clip_norm_val": 1.0,
+    "dropout": 0.1,
+    "tracking": "none",
+    "log_every": 50,
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +58,13 @@ def fixture_data(tmp_path_factory, bilm_tf_dir) -> Path:
     root = tmp_path_factory.mktemp("fixture_data")
     train_dir = bilm_tf_dir / "train"
     ingest(IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=0.0))
-    build_vocab(VocabConfig(corpus=str(root / "ingest"), db=str(root / "vocab" / "vocab.duckdb"), vocab_file=str(train_dir / "vocab.txt")))
+    build_vocab(
+        VocabConfig(
+            corpus=str(root / "ingest"),
+            db=str(root / "vocab" / "vocab.duckdb"),
+            vocab_file=str(train_dir / "vocab.txt"),
+        )
+    )
     return root / "vocab"
 
 
@@ -132,7 +158,14 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
-    options = {**FIXTURE_OPTIONS, "data": str(fixture_data), "max_steps": 60, "checkpoint_every": 10, "keep_checkpoints": 2, "seed": 3}
+    options = {
+        **FIXTURE_OPTIONS,
+        "data": str(fixture_data),
+        "max_steps": 60,
+        "checkpoint_every": 10,
+        "keep_checkpoints": 2,
+        "seed": 3,
+    }
     reference = tmp_path / "reference.yaml"
     reference.write_text(yaml.safe_dump({**options, "out": str(tmp_path / "ref")}))
     subprocess.run(_train_cmd(reference), cwd=ROOT, check=True, capture_output=True, timeout=600)
@@ -155,7 +188,11 @@ def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
 
 
 def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
-    train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=4, checkpoint_every=2, **FIXTURE_OPTIONS))
+    train(
+        TrainConfig(
+            data=str(fixture_data), out=str(tmp_path / "run"), max_steps=4, checkpoint_every=2, **FIXTURE_OPTIONS
+        )
+    )
     payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
     assert payload["step"] == 4 and "softmax.weight" in payload["model"]
     assert set(payload) >= {"optimizer", "samplers", "batchers", "torch_rng", "lstm_states"}
@@ -173,8 +210,13 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data
         return loss * float("nan") if calls["n"] > 8 else loss  # steps 1-4 fine (2 calls a step), then NaN
 
     monkeypatch.setattr(train_module, "sampled_softmax_loss", poisoned)
-    config = TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=10, checkpoint_every=2, **FIXTURE_OPTIONS)
-    with pytest.raises(TrainingDivergedError, match=r"loss is nan at step 5; stopped\. The last good checkpoint is .*step-000000004\.pt"):
+    config = TrainConfig(
+        data=str(fixture_data), out=str(tmp_path / "run"), max_steps=10, checkpoint_every=2, **FIXTURE_OPTIONS
+    )
+    with pytest.raises(
+        TrainingDivergedError,
+        match=r"loss is nan at step 5; stopped\. The last good checkpoint is .*step-000000004\.pt",
+    ):
         train(config)
     assert torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)["step"] == 4
     calls["n"] = 0
@@ -182,7 +224,9 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data
     assert skipped.steps == 10
 
 
-def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(fixture_data, tmp_path, caplog, bilm_tf_dir):
+def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(
+    fixture_data, tmp_path, caplog, bilm_tf_dir
+):
     first = train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "a"), max_steps=6, **FIXTURE_OPTIONS))
     exported = BiLM.from_pretrained(str(first.model_dir))
     assert exported.softmax is not None and exported.vocab[:3] == ["<S>", "</S>", "<UNK>"]
@@ -191,9 +235,25 @@ def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(fixt
 
     # new text, same vocabulary: what `elmo vocab --vocab-file MODEL/vocab.txt` gives
     (tmp_path / "new.txt").write_text("the company said it would sell the unit .\nshares fell in early trading .\n" * 3)
-    ingest(IngestConfig(sources=[str(tmp_path / "new.txt")], out=str(tmp_path / "ing2"), heldout_fraction=0.0, dedup=False))
-    build_vocab(VocabConfig(corpus=str(tmp_path / "ing2"), db=str(tmp_path / "v2" / "vocab.duckdb"), vocab_file=str(first.model_dir / "vocab.txt")))
-    tuned = train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "b"), max_steps=3, init_from=str(first.model_dir), **FIXTURE_OPTIONS))
+    ingest(
+        IngestConfig(sources=[str(tmp_path / "new.txt")], out=str(tmp_path / "ing2"), heldout_fraction=0.0, dedup=False)
+    )
+    build_vocab(
+        VocabConfig(
+            corpus=str(tmp_path / "ing2"),
+            db=str(tmp_path / "v2" / "vocab.duckdb"),
+            vocab_file=str(first.model_dir / "vocab.txt"),
+        )
+    )
+    tuned = train(
+        TrainConfig(
+            data=str(tmp_path / "v2"),
+            out=str(tmp_path / "b"),
+            max_steps=3,
+            init_from=str(first.model_dir),
+            **FIXTURE_OPTIONS,
+        )
+    )
     assert BiLM.from_pretrained(str(tuned.model_dir)).vocab == exported.vocab
 
     # a published-style model without a softmax gets a fresh one, and says so
@@ -201,7 +261,15 @@ def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(fixt
     no_softmax.load_state_dict({k: v for k, v in exported.state_dict().items() if not k.startswith("softmax.")})
     no_softmax.save_pretrained(str(tmp_path / "nosoftmax"))
     with caplog.at_level("WARNING"):
-        train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "c"), max_steps=2, init_from=str(tmp_path / "nosoftmax"), **FIXTURE_OPTIONS))
+        train(
+            TrainConfig(
+                data=str(tmp_path / "v2"),
+                out=str(tmp_path / "c"),
+                max_steps=2,
+                init_from=str(tmp_path / "nosoftmax"),
+                **FIXTURE_OPTIONS,
+            )
+        )
     assert "has no softmax for this 32-word vocabulary: initialising a new one" in caplog.text
 
     # a different vocabulary is refused with the fix in the message
@@ -212,7 +280,11 @@ def test_export_loads_in_the_bilm_tf_format_and_fine_tuning_keeps_the_vocab(fixt
     exported.vocab = ["<S>", "</S>", "<UNK>", "x"] + exported.vocab[4:]
     exported.save_pretrained(str(other))
     with pytest.raises(ConfigError, match="--vocab-file"):
-        train(TrainConfig(data=str(tmp_path / "v2"), out=str(tmp_path / "d"), max_steps=2, init_from=str(other), **FIXTURE_OPTIONS))
+        train(
+            TrainConfig(
+                data=str(tmp_path / "v2"), out=str(tmp_path / "d"), max_steps=2, init_from=str(other), **FIXTURE_OPTIONS
+            )
+        )
 
 
 @pytest.mark.slow
@@ -224,15 +296,25 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    result = train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=40,
-                               **{**FIXTURE_OPTIONS, "tracking": "mlflow", "log_every": 5}, tracking_uri=uri, register_as="elmo-test"))
+    result = train(
+        TrainConfig(
+            data=str(fixture_data),
+            out=str(tmp_path / "run"),
+            max_steps=40,
+            **{**FIXTURE_OPTIONS, "tracking": "mlflow", "log_every": 5},
+            tracking_uri=uri,
+            register_as="elmo-test",
+        )
+    )
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["config.batch_size"] == "2" and run.data.params["architecture.lstm.dim"] == "16"
     history = client.get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == list(range(5, 41, 5))
-    assert {"perplexity_forward", "perplexity_backward", "tokens_per_s", "learning_rate", "grad_norm"} <= set(run.data.metrics)
+    assert {"perplexity_forward", "perplexity_backward", "tokens_per_s", "learning_rate", "grad_norm"} <= set(
+        run.data.metrics
+    )
     assert any(k.startswith("system/") for k in run.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.json", "export", "checkpoint"} <= artifacts
@@ -243,17 +325,48 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     from elmo_core.tracking import resolve_model_dir
 
     for model_uri in (f"models:/elmo-test/{version.version}", result.model_uri):
-        bilm = BiLM.from_pretrained(str(resolve_model_dir(model_uri, tmp_path / model_uri.replace(":", "_").replace("/", "_"))))
+        bilm = BiLM.from_pretrained(
+            str(resolve_model_dir(model_uri, tmp_path / model_uri.replace(":", "_").replace("/", "_")))
+        )
         assert bilm.config.n_tokens_vocab == 32
 
 
 @pytest.mark.slow
 def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path):
     config = tmp_path / "ddp.yaml"
-    config.write_text(yaml.safe_dump({**FIXTURE_OPTIONS, "data": str(fixture_data), "out": str(tmp_path / "run"), "max_steps": 6, "device": "cpu"}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **FIXTURE_OPTIONS,
+                "data": str(fixture_data),
+                "out": str(tmp_path / "run"),
+                "max_steps": 6,
+                "device": "cpu",
+            }
+        )
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-                             "-m", "elmo_core.cli", "train", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29533",
+            "-m",
+            "elmo_core.cli",
+            "train",
+            "--config",
+            str(config),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
     assert len(digests) == 2 and digests[0] == digests[1]
@@ -266,20 +379,55 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
 def test_perplexity_and_export_commands(fixture_data, tmp_path, bilm_tf_dir):
     run = tmp_path / "run"
     train(TrainConfig(data=str(fixture_data), out=str(run), max_steps=6, checkpoint_every=3, **FIXTURE_OPTIONS))
-    exported = subprocess.run([sys.executable, "-m", "elmo_core.cli", "export", "--run", str(run), "--out", str(tmp_path / "exp")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+    exported = subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", "export", "--run", str(run), "--out", str(tmp_path / "exp")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr
     assert exported.stdout.startswith("export: step 6 of ")
     a, b = BiLM.from_pretrained(str(tmp_path / "exp")), BiLM.from_pretrained(str(run / "model"))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     (tmp_path / "text.txt").write_text((bilm_tf_dir / "train" / "data.txt").read_text())
     ingest(IngestConfig(sources=[str(tmp_path / "text.txt")], out=str(tmp_path / "ing"), heldout_fraction=1.0))
-    result = subprocess.run([sys.executable, "-m", "elmo_core.cli", "perplexity", "--model", str(tmp_path / "exp"), "--corpus",
-                             str(tmp_path / "ing"), "--batch-size", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elmo_core.cli",
+            "perplexity",
+            "--model",
+            str(tmp_path / "exp"),
+            "--corpus",
+            str(tmp_path / "ing"),
+            "--batch-size",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     value = float(result.stdout.split("perplexity: ")[1].split(" ")[0])
     expected = evaluate(a, fixture_data / "token_ids" / "train", batch_size=1)["perplexity"]
     assert value == pytest.approx(expected, rel=1e-3)
-    missing = subprocess.run([sys.executable, "-m", "elmo_core.cli", "perplexity", "--model", str(bilm_tf_dir / "model"), "--corpus",
-                              str(tmp_path / "ing")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elmo_core.cli",
+            "perplexity",
+            "--model",
+            str(bilm_tf_dir / "model"),
+            "--corpus",
+            str(tmp_path / "ing"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode != 0

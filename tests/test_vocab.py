@@ -41,7 +41,17 @@ def test_vocab_order_counts_and_export(corpus, tmp_path):
     stats = build_vocab(VocabConfig(corpus=str(corpus), db=str(db)))
     rows = _query(db, "SELECT id, token, count FROM vocab ORDER BY id")
     # a: 5, .: 4, b: 3, c: 2, then count 1 ties broken by token (byte order)
-    assert rows == [(0, "<S>", 4), (1, "</S>", 4), (2, "<UNK>", 0), (3, "a", 5), (4, ".", 4), (5, "b", 3), (6, "c", 2), (7, "z" * 60, 1), (8, "苹果", 1)]
+    assert rows == [
+        (0, "<S>", 4),
+        (1, "</S>", 4),
+        (2, "<UNK>", 0),
+        (3, "a", 5),
+        (4, ".", 4),
+        (5, "b", 3),
+        (6, "c", 2),
+        (7, "z" * 60, 1),
+        (8, "苹果", 1),
+    ]
     assert read_vocab_file(db.with_name("vocab.txt")) == [r[1] for r in rows]
     assert stats["train_tokens"] == 17 and stats["train_types"] == 7  # the literal <S> counts as a type
 
@@ -69,18 +79,28 @@ def test_char_ids_table_equals_elmo_core(corpus, tmp_path):
 def _independent_oov_rate(vocab_txt: Path, corpus: Path) -> float:
     con = duckdb.connect()
     vocab = set(read_vocab_file(vocab_txt))
-    tokens = [t for row in con.execute("SELECT tokens FROM read_parquet($p) WHERE split = 'heldout'", {"p": str(corpus / "*.parquet")}).fetchall() for t in row[0]]
+    tokens = [
+        t
+        for row in con.execute(
+            "SELECT tokens FROM read_parquet($p) WHERE split = 'heldout'", {"p": str(corpus / "*.parquet")}
+        ).fetchall()
+        for t in row[0]
+    ]
     return sum(t not in vocab for t in tokens) / len(tokens)
 
 
 def test_heldout_oov_rate(tmp_path):
     # 350 distinct sentences; the split is drawn per distinct sentence, so duplicates share it
     (tmp_path / "c.txt").write_text("".join(f"w{i % 50} common x{i % 7} .\n" for i in range(3000)), encoding="utf-8")
-    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.2, dedup=False))
+    ingest(
+        IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.2, dedup=False)
+    )
     stats = build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v.duckdb"), token_ids=False))
     assert stats["heldout_sentences"] > 300
     assert stats["heldout_oov_rate"] == pytest.approx(_independent_oov_rate(tmp_path / "vocab.txt", tmp_path / "ing"))
-    stats = build_vocab(VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v.duckdb"), max_size=20, token_ids=False))
+    stats = build_vocab(
+        VocabConfig(corpus=str(tmp_path / "ing"), db=str(tmp_path / "v.duckdb"), max_size=20, token_ids=False)
+    )
     assert 0.1 < stats["heldout_oov_rate"] < 0.3  # most w* are cut
     assert stats["heldout_oov_rate"] == pytest.approx(_independent_oov_rate(tmp_path / "vocab.txt", tmp_path / "ing"))
 

@@ -88,7 +88,9 @@ def test_missing_dataset_is_named(tmp_path, allennlp_dir):
     model = _copy_fixture(allennlp_dir, tmp_path / "m")
     with h5py.File(model / "weights.hdf5", "a") as f:
         del f["RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_P_0"]
-    with pytest.raises(WeightFileError, match=r"'RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_P_0' is missing \(expected shape \(64, 16\)"):
+    with pytest.raises(
+        WeightFileError, match=r"'RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_P_0' is missing \(expected shape \(64, 16\)"
+    ):
         BiLM.from_pretrained(str(model))
 
 
@@ -106,7 +108,9 @@ def test_options_that_contradict_the_weights(tmp_path, allennlp_dir):
     options = json.loads((model / "options.json").read_text())
     options["lstm"]["dim"] = 128
     (model / "options.json").write_text(json.dumps(options))
-    with pytest.raises(WeightFileError, match=r"LSTMCell/W_0' has shape \(32, 256\), expected \(32, 512\).*options do not match"):
+    with pytest.raises(
+        WeightFileError, match=r"LSTMCell/W_0' has shape \(32, 256\), expected \(32, 512\).*options do not match"
+    ):
         BiLM.from_pretrained(str(model))
 
 
