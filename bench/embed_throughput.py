@@ -68,6 +68,31 @@ def model_flops(config: ModelConfig, sentences: list[list[str]], batch_size: int
     return total
 
 
+def describe_machine(device: torch.device | str = "cpu") -> str:
+    """The CPU model, threads, torch's CPU kernel level and whether bf16 runs natively: which kernels ran."""
+    from elmo_core.precision import cpu_capability, cpu_has_native_bf16
+
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "unknown CPU",
+        )
+        if Path("/proc/cpuinfo").exists()
+        else "unknown CPU"
+    )
+    text = (
+        f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
+        f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}"
+    )
+    if torch.device(device).type == "cuda":
+        text += f"; GPU {torch.cuda.get_device_name()}"
+    return text
+
+
 def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.matmul(a, b)

@@ -1,10 +1,14 @@
-"""Training tokens/s (forward + backward + Adagrad step, sampled softmax) for the small and original shapes, with
-FLOPs per token from the config and the fraction of a `torch.matmul` roofline measured in the same run.
+"""Training tokens/s in fp32 and bf16 side by side (forward + backward + Adagrad step, sampled softmax), with FLOPs
+per token and the fraction of a `torch.matmul` roofline measured in the same run; and (``--quality``) heldout
+perplexity after the same number of steps in both precisions on real text.
 
-    .venv/bin/python bench/train_throughput.py [--shapes small,original] [--steps 3] [--device cpu]
+    .venv/bin/python bench/train_throughput.py [--shapes small,original] [--steps 3] [--device cpu] [--quality]
 
-Batches come from the real batch generator over a generated Zipfian corpus (100k-word vocabulary, 8192
-negatives as bilm-tf). On CUDA the step runs under bf16 autocast, as the trainer does.
+Throughput: batches from the real batch generator over a generated Zipfian corpus (100k-word vocabulary, 8192
+negatives as bilm-tf); the two precisions alternate in rounds so that both see the same machine. bf16 is autocast
+for the forward with float32 master weights, optimizer state, LSTM cell and softmax loss (``precision: bf16``).
+Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
+``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from corpus_gen import write_token_id_corpus  # noqa: E402
-from embed_throughput import matmul_roofline  # noqa: E402
+from embed_throughput import describe_machine, matmul_roofline  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.batches import LMBatcher  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
 from elmo_core.model import init_bilm_tf  # noqa: E402
+from elmo_core.precision import autocast  # noqa: E402
 from elmo_core.softmax import LogUniformSampler  # noqa: E402
 from elmo_core.train import LMObjective, _clip_global_norm  # noqa: E402
 
@@ -36,7 +41,7 @@ NEGATIVES = 8192
 BATCH = {"small": 128, "medium": 64, "original": 64}  # bilm-tf used 128 rows per GPU
 
 
-def train_flops_per_token(config: ModelConfig, n_negatives: int, batch_tokens: int) -> float:
+def train_flops_per_token(config: ModelConfig, n_negatives: int) -> float:
     """Forward multiply-adds x 2, times 3 for forward + backward: char CNN (50 positions), highway, projection,
     both LSTM directions (input, recurrent, projection products) and the sampled softmax."""
     cnn, lstm = config.char_cnn, config.lstm
@@ -53,69 +58,123 @@ def train_flops_per_token(config: ModelConfig, n_negatives: int, batch_tokens: i
     return 3.0 * forward
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="small,original")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: per shape)")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+class Trainer:
+    """One model in one precision, stepping through the batch generator as the trainer does."""
+
+    def __init__(self, config: ModelConfig, data: str, rows: int, device: torch.device, precision: str) -> None:
+        torch.manual_seed(0)
+        self.bilm = BiLM(config)
+        init_bilm_tf(self.bilm)
+        self.bilm.to(device).train()
+        self.device, self.precision = device, precision
+        self.objective = LMObjective(self.bilm, 0.1, sparse=device.type == "cpu")
+        self.params = [p for p in self.bilm.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adagrad(self.params, lr=0.2, initial_accumulator_value=1.0)
+        self.sampler = LogUniformSampler(VOCAB)
+        self.batches = iter(LMBatcher(data, rows, 20, seed=0))
+        self.state = None
+
+    def step(self) -> float:
+        batch = next(self.batches)
+        keys = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
+        tensors = [torch.from_numpy(batch[k]).long().to(self.device) for k in keys]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        sampled, tries = self.sampler.sample(NEGATIVES)
+        with autocast(self.device, self.precision):
+            loss, _, _, state = self.objective(*tensors, self.state, sampled, tries, self.sampler)
+        self.optimizer.zero_grad(set_to_none=True)
+        (loss * 20).backward()
+        _clip_global_norm(self.params, 10.0)
+        self.optimizer.step()
+        self.state = tuple(s.detach() for s in state)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def throughput(args: argparse.Namespace, device: torch.device) -> None:
     roofline = matmul_roofline() if device.type == "cpu" else _cuda_roofline()
-    print(
-        f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads; matmul roofline {roofline:,.0f} GFLOP/s"
-        f"{' (bf16)' if device.type == 'cuda' else ' (float32)'}"
-    )
-    print(f"{'shape':<10}{'batch':>7}{'tok/s':>10}{'GFLOP/token':>13}{'GFLOP/s':>10}{'roofline %':>12}")
+    print(f"matmul roofline {roofline:,.0f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'})")
+    header = f"{'shape':<10}{'batch':>7}{'fp32 tok/s':>12}{'bf16 tok/s':>12}{'bf16/fp32':>11}{'GFLOP/token':>13}{'fp32 roofline %':>17}"
+    print(header)
+    print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
-        write_token_id_corpus(Path(tmp), 300_000, n_types=VOCAB - 3)
+        write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
         for shape in args.shapes.split(","):
             config = preset(shape).model_copy(update={"n_tokens_vocab": VOCAB})
             rows = args.batch or BATCH.get(shape, 16)
-            torch.manual_seed(0)
-            bilm = BiLM(config)
-            init_bilm_tf(bilm)
-            bilm.to(device).train()
-            objective = LMObjective(bilm, 0.1, sparse=device.type == "cpu")
-            params = [p for p in bilm.parameters() if p.requires_grad]
-            optimizer = torch.optim.Adagrad(params, lr=0.2, initial_accumulator_value=1.0)
-            sampler = LogUniformSampler(VOCAB)
-            batcher = iter(LMBatcher(tmp, rows, 20, seed=0))
-            state = None
-            times = []
-            for step in range(args.steps + 1):
-                batch = next(batcher)
-                tensors = [
-                    torch.from_numpy(batch[k]).long().to(device)
-                    for k in (
-                        "tokens_characters",
-                        "tokens_characters_reverse",
-                        "next_token_id",
-                        "next_token_id_reverse",
-                    )
-                ]
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                sampled, tries = sampler.sample(NEGATIVES)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss, _, _, state = objective(*tensors, state, sampled, tries, sampler)
-                optimizer.zero_grad(set_to_none=True)
-                (loss * 20).backward()
-                _clip_global_norm(params, 10.0)
-                optimizer.step()
-                state = tuple(s.detach() for s in state)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if step:  # the first step warms up
-                    times.append(time.perf_counter() - start)
-            seconds = sorted(times)[len(times) // 2]
-            tps = rows * 20 / seconds
-            flops = train_flops_per_token(config, NEGATIVES, rows * 20)
+            trainers = {p: Trainer(config, tmp, rows, device, p) for p in ("fp32", "bf16")}
+            times: dict[str, list[float]] = {p: [] for p in trainers}
+            for trainer in trainers.values():
+                trainer.step()  # warm-up
+            for _ in range(args.steps):  # alternate, so that both precisions see the same machine
+                for name, trainer in trainers.items():
+                    times[name].append(trainer.step())
+            tps = {p: rows * 20 / sorted(t)[len(t) // 2] for p, t in times.items()}
+            flops = train_flops_per_token(config, NEGATIVES)
             print(
-                f"{shape:<10}{rows:>7}{tps:>10,.0f}{flops / 1e9:>13.3f}{tps * flops / 1e9:>10,.1f}{100 * tps * flops / 1e9 / roofline:>11.1f}%"
+                f"{shape:<10}{rows:>7}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}{tps['bf16'] / tps['fp32']:>10.2f}x"
+                f"{flops / 1e9:>13.3f}{100 * tps['fp32'] * flops / 1e9 / roofline:>16.1f}%"
             )
-            del bilm, objective, optimizer
+            del trainers
+
+
+def quality(args: argparse.Namespace) -> None:
+    """Heldout perplexity after the same steps, fp32 against bf16, same data and seed (the main job's recipe)."""
+    from elmo_core.corpus import write_default_corpus
+    from elmo_core.ingest import ingest
+    from elmo_core.options import CPU_TRAIN_OPTIONS, IngestConfig, TrainConfig, VocabConfig
+    from elmo_core.train import train
+    from elmo_core.vocab import build_vocab
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus, _ = write_default_corpus(Path(tmp) / "pydoc.txt")
+        ingest(
+            IngestConfig(
+                sources=[str(corpus)],
+                out=f"{tmp}/ingest",
+                tokenizer="unicode",
+                split_sentences=True,
+                heldout_fraction=0.05,
+            )
+        )
+        build_vocab(VocabConfig(corpus=f"{tmp}/ingest", db=f"{tmp}/vocab/vocab.duckdb", min_count=2))
+        print(
+            f"\nheldout perplexity after {args.quality_steps} steps (pydoc topics, mini model, CPU_TRAIN_OPTIONS, seed 0)"
+        )
+        results = {}
+        for precision in ("fp32", "bf16"):
+            options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
+            options.update(max_steps=args.quality_steps, tracking="none", precision=precision, device="cpu")
+            started = time.perf_counter()
+            result = train(TrainConfig(data=f"{tmp}/vocab", out=f"{tmp}/{precision}", **options))
+            results[precision] = result.perplexity["perplexity"]
+            print(
+                f"  {precision}: perplexity {results[precision]:.2f} (forward {result.perplexity['perplexity_forward']:.2f}, "
+                f"backward {result.perplexity['perplexity_backward']:.2f}) in {time.perf_counter() - started:.0f} s"
+            )
+        print(
+            f"  bf16 / fp32 perplexity: {results['bf16'] / results['fp32']:.4f} ({100 * (results['bf16'] / results['fp32'] - 1):+.2f}%)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="small,original")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per precision (after one warm-up step)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: per shape)")
+    parser.add_argument("--quality", action="store_true", help="also train the main job's model in both precisions")
+    parser.add_argument("--quality-steps", type=int, default=600)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(describe_machine(device))
+    if args.shapes:
+        throughput(args, device)
+    if args.quality:
+        quality(args)
 
 
 def _cuda_roofline(size: int = 8192) -> float:

@@ -381,7 +381,8 @@ class Embedder:
     def _tables(self, group: pa.Table, sentences: list[list[str]]) -> Iterator[pa.Table]:
         """Every distinct word of the unit through the char CNN once, then length-sorted batches of token rows."""
         bilm = self.bilm
-        cache = TokenCache.of_sentences(bilm, sentences)
+        with autocast(bilm.device, self.precision):
+            cache = TokenCache.of_sentences(bilm, sentences)
         table = cache.table.to(bilm.device)
         carry = StateCarry() if self.config.stateful else None
         for batch in self._batches(sentences):

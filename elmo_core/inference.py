@@ -12,6 +12,7 @@ The biLM is passed in (a ``model.BiLM``); this module sits below the model and n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,10 +20,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core.chars import batch_to_ids
 from elmo_core.precision import autocast, resolve_precision
 
+log = logging.getLogger(__name__)
+
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
+CACHE_TOKENS = 65_536  # tokens whose distinct words share one token cache in ``embed_sentences``
 
 LstmState = tuple[Tensor, Tensor]
 
@@ -106,7 +109,7 @@ class StateCarry:
 def embed_sentences(
     bilm: Any,
     sentences: Sequence[Sequence[str]],
-    batch_size: int = 64,
+    batch_size: int | None = None,
     stateful: bool = False,
     carry: StateCarry | None = None,
     precision: str = "fp32",
@@ -115,40 +118,52 @@ def embed_sentences(
 ) -> list[np.ndarray]:
     """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed.
 
-    Stateless (default): sentences are sorted by length into batches of at most ``batch_size`` rows and
-    ``max_batch_tokens`` padded tokens, each starting from zero state, so a sentence's vectors do not depend
-    on the rest of the batch. ``stateful=True`` (or a ``carry``, which then persists across calls): batches of
-    ``batch_size`` in the given order, the state carried per row like AllenNLP's ``ElmoEmbedder``.
-    ``precision`` "bf16" runs the matmuls in bfloat16 with the cell state in float32.
+    Stateless (default): sentences are sorted by length into batches of at most ``max_batch_tokens`` padded
+    tokens (and ``batch_size`` rows, if given), each starting from zero state, so a sentence's vectors do not
+    depend on the rest of the batch. ``stateful=True`` (or a ``carry``, which then persists across calls):
+    batches of ``batch_size`` (default 64) in the given order, the state carried per row like AllenNLP's
+    ``ElmoEmbedder``. ``precision`` "bf16" runs the matmuls in bfloat16 with the cell state in float32.
     """
     if bf16 is not None:
         precision = "bf16" if bf16 else "fp32"
-        import logging
-
-        logging.getLogger(__name__).warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
+        log.warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
     precision = resolve_precision(precision, bilm.device)
     if stateful and carry is None:
         carry = StateCarry()
     if carry is not None:
-        batches = [
-            list(range(start, min(start + batch_size, len(sentences))))
-            for start in range(0, len(sentences), batch_size)
-        ]
+        rows = batch_size or 64
+        batches = [list(range(start, min(start + rows, len(sentences)))) for start in range(0, len(sentences), rows)]
     else:
         batches = length_batches([len(s) for s in sentences], max_batch_tokens, batch_size)
     results: list[np.ndarray | None] = [None] * len(sentences)
-    max_chars = bilm.config.char_cnn.max_characters_per_token
-    for batch in batches:
-        chunk = [sentences[i] for i in batch]
-        ids = batch_to_ids(chunk, max_chars).to(bilm.device, non_blocking=True)
-        state = carry.take(len(chunk)) if carry is not None else None
-        with autocast(bilm.device, precision):
-            layers, counts, new_state = bilm.token_rows(ids, state=state)
-        if carry is not None:
-            carry.keep(new_state)
-        stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
-        start = 0
-        for i, n in zip(batch, counts.tolist()):
-            results[i] = np.ascontiguousarray(stacked[:, start : start + n])
-            start += n
+    for chunk in _chunks(batches, sentences):
+        with autocast(bilm.device, precision):  # layer 0 of each distinct word once per chunk, in this precision
+            cache = TokenCache.of_sentences(bilm, [sentences[i] for batch in chunk for i in batch])
+        table = cache.table.to(bilm.device)
+        for batch in chunk:
+            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device, non_blocking=True)
+            state = carry.take(len(batch)) if carry is not None else None
+            with autocast(bilm.device, precision):
+                layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=table)
+            if carry is not None:
+                carry.keep(new_state)
+            stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
+            start = 0
+            for i, n in zip(batch, counts.tolist()):
+                results[i] = np.ascontiguousarray(stacked[:, start : start + n])
+                start += n
     return results  # type: ignore[return-value]
+
+
+def _chunks(batches: list[list[int]], sentences: Sequence[Sequence[str]]) -> list[list[list[int]]]:
+    """Consecutive batches grouped up to ``CACHE_TOKENS`` tokens: one token cache each, so memory stays bounded."""
+    chunks: list[list[list[int]]] = [[]]
+    tokens = 0
+    for batch in batches:
+        size = sum(len(sentences[i]) for i in batch)
+        if chunks[-1] and tokens + size > CACHE_TOKENS:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(batch)
+        tokens += size
+    return [c for c in chunks if c]

@@ -99,19 +99,28 @@ def sampled_softmax_loss(
     """Mean sampled-softmax loss of rows ``hidden`` (N, P) with true ids ``targets`` (N,).
 
     ``sparse`` gathers softmax rows through ``F.embedding(sparse=True)`` so the (V, P) weight gets a sparse
-    gradient (bilm-tf's sparse updates; needed for large vocabularies).
+    gradient (bilm-tf's sparse updates; needed for large vocabularies). Under bf16 autocast only the logits
+    product runs in bf16; the loss is computed in float32.
     """
     device = hidden.device
     sampled = sampled.to(device)
     true_w = F.embedding(targets, weight, sparse=sparse)  # (N, P)
     samp_w = F.embedding(sampled, weight, sparse=sparse)  # (S, P)
-    true_logits = (hidden * true_w).sum(-1) + bias.index_select(0, targets)
-    samp_logits = hidden @ samp_w.t() + bias.index_select(0, sampled)
-    true_logits = true_logits - torch.log(sampler.expected_count(targets.cpu(), num_tries).to(device))
-    samp_logits = samp_logits - torch.log(sampler.expected_count(sampled.cpu(), num_tries).to(device))
-    samp_logits = samp_logits.masked_fill(sampled[None, :] == targets[:, None], _NEG)
-    logits = torch.cat([true_logits[:, None], samp_logits], dim=1).float()
-    return F.cross_entropy(logits, torch.zeros(len(targets), dtype=torch.long, device=device))
+    log_q_true = torch.log(sampler.expected_count(targets.cpu(), num_tries)).to(device)
+    log_q_sampled = torch.log(sampler.expected_count(sampled.cpu(), num_tries)).to(device)
+    # the (N, S) product is the one big matmul (bf16 under autocast); everything after it is float32, with
+    # "subtract log Q" folded into the biases so that it costs one pass
+    true_logits = (hidden.float() * true_w.float()).sum(-1) + (bias.index_select(0, targets) - log_q_true)
+    samp_logits = torch.mm(hidden, samp_w.t()).float().add_(bias.index_select(0, sampled) - log_q_sampled)
+    # accidental hits (a row's true id among the sampled ones), found by binary search: O(N log S), not O(N S)
+    ordered, order = torch.sort(sampled)
+    at = torch.searchsorted(ordered, targets).clamp_(max=len(ordered) - 1)
+    rows = torch.nonzero(ordered[at] == targets).squeeze(1)
+    if rows.numel():
+        samp_logits.index_put_((rows, order[at[rows]]), torch.tensor(_NEG, dtype=samp_logits.dtype, device=device))
+    # cross-entropy with the true class first: mean(logsumexp([true, sampled]) - true), without concatenating
+    log_total = torch.logaddexp(true_logits, torch.logsumexp(samp_logits, dim=1))
+    return (log_total - true_logits).mean()
 
 
 def full_softmax_loss(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor, reduction: str = "mean") -> Tensor:

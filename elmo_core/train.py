@@ -108,20 +108,19 @@ class LMObjective(nn.Module):
         top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
         softmax = self.bilm.softmax
         p = top_f.shape[-1]
-        with torch.autocast(top_f.device.type, enabled=False):  # the softmax and its loss in float32
-            loss_f, loss_b = (
-                sampled_softmax_loss(
-                    top.float().reshape(-1, p),
-                    targets.reshape(-1),
-                    softmax.weight,
-                    softmax.bias,
-                    sampled,
-                    num_tries,
-                    sampler,
-                    self.sparse,
-                )
-                for top, targets in ((top_f, targets_f), (top_b, targets_b))
+        loss_f, loss_b = (
+            sampled_softmax_loss(
+                top.reshape(-1, p),
+                targets.reshape(-1),
+                softmax.weight,
+                softmax.bias,
+                sampled,
+                num_tries,
+                sampler,
+                self.sparse,
             )
+            for top, targets in ((top_f, targets_f), (top_b, targets_b))
+        )  # float32 losses: under autocast only the logits product is bf16
         return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
 
 

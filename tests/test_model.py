@@ -175,13 +175,13 @@ def test_char_cnn_truncation_keeps_the_max_exact():
     assert torch.equal(fast, full)
 
 
-def test_onednn_step_path_equals_the_plain_blas_path(model, monkeypatch):
+def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model, monkeypatch):
     import elmo_core.model as model_module
 
     ids = batch_to_ids(SENTENCES)
     with torch.no_grad():
         fast = model(ids)["activations"]
-        monkeypatch.setattr(model_module, "USE_ONEDNN", False)
+        monkeypatch.setattr(model_module, "CACHE_INFERENCE_WEIGHTS", False)
         plain = model(ids)["activations"]
     for x, y in zip(fast, plain):
         assert torch.allclose(x, y, atol=1e-6)
