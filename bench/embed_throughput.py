@@ -1,20 +1,23 @@
-"""Throughput of ``BiLM.embed_sentences`` next to AllenNLP's ELMo and a matmul roofline, in one run.
+"""Throughput of ``BiLM.embed_sentences`` in fp32 and bf16 next to AllenNLP's ELMo and a matmul roofline, in one run.
 
-    .venv/bin/python bench/embed_throughput.py [--shapes small,original] [--repeats 3] [--no-allennlp]
+    .venv/bin/python bench/embed_throughput.py [--shapes small,original] [--repeats 5] [--no-allennlp] [--onednn-verbose]
 
-For each shape: random bilm-tf-initialised weights written as options.json + weights.hdf5, 64 sentences of
-10–40 tokens drawn from a Zipfian vocabulary of made-up words, then
-* ours: tokens/s of ``embed_sentences`` (stateless, CPU float32, median of the repeats),
-* AllenNLP 2.10.1 ``_ElmoBiLm`` on the same files and sentences (its own venv), and the largest absolute
-  difference between its activations and ours,
-* model GFLOP/s (LSTM, char CNN per distinct word, highway, projection) against ``torch.matmul`` GFLOP/s
-  measured in the same process.
+For each shape, random bilm-tf-initialised weights written as options.json + weights.hdf5, and two workloads:
+* uniform: 64 sentences of 10-40 tokens drawn from a Zipfian vocabulary of made-up words;
+* long-tailed: 96 sentences of real English (Python's pydoc topics, the unicode tokenizer) with their natural
+  length spread (a few long sentences among many short ones).
+Printed per workload: tokens/s of ours in fp32 and bf16 (median of repeats, the precisions alternating), of
+AllenNLP 2.10.1's ``_ElmoBiLm`` on the same files (its own venv; batches of 64 as its ``ElmoEmbedder``), the
+largest |difference| between AllenNLP's activations and our fp32 ones, fp32 GFLOP/s against ``torch.matmul``
+measured in the same process, and the accuracy of bf16 against fp32 per layer on the real text (worst cosine,
+0.1% quantile, max and mean absolute error).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -29,10 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
+from elmo_core.inference import length_batches  # noqa: E402
 from elmo_core.model import init_bilm_tf  # noqa: E402
+from elmo_core.precision import onednn_verbose  # noqa: E402
 
 
 def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:
+    """Uniform lengths: n sentences of 10-40 Zipfian made-up words."""
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = ["".join(rng.choice(letters, size=rng.integers(1, 12))) for _ in range(5000)]
@@ -41,49 +47,29 @@ def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:
     return [[words[i] for i in rng.choice(len(words), size=rng.integers(10, 41), p=p)] for _ in range(n)]
 
 
-def model_flops(config: ModelConfig, sentences: list[list[str]], batch_size: int) -> float:
-    """Floating-point operations the model actually performs, batch by batch as ``embed_sentences`` runs it.
+def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
+    """Long-tailed lengths: n sentences of real English prose (Python's help topics), as the default corpus has them."""
+    from pydoc_data.topics import topics
 
-    Per distinct word of a batch: the char CNN over the kept char positions, highway, projection and layer 0's
-    input-to-gates product; per token step (boundaries included): the recurrent and projection products of
-    every layer and the input product of layers >= 1. Element-wise work is not counted.
-    """
-    p, h, n_layers = config.lstm.projection_dim, config.lstm.dim, config.lstm.n_layers
-    cnn = config.char_cnn
-    d, f, max_width = cnn.embedding.dim, cnn.n_filters, max(w for w, _ in cnn.filters)
-    input_gates = 2 * p * 4 * h
-    per_step = 2 * (p * 4 * h + (h * p if p < h else 0))  # recurrent + projection
-    ordered = sorted(sentences, key=len)
-    total = 0.0
-    for start in range(0, len(ordered), batch_size):
-        batch = ordered[start : start + batch_size]
-        words = {w for s in batch for w in s}
-        n_distinct = len(words) + 2  # + <S>, </S>
-        longest = max(len(w.encode()) for w in words) + 2  # + begin/end-of-word markers
-        kept = min(cnn.max_characters_per_token, longest + max_width)
-        per_word = sum(2 * count * width * d * (kept - width + 1) for width, count in cnn.filters)
-        per_word += cnn.n_highway * 2 * (2 * f * f) + (2 * f * p if f != p else 0) + 2 * input_gates
-        steps = sum(len(s) + 2 for s in batch)
-        total += n_distinct * per_word + steps * 2 * (n_layers * per_step + (n_layers - 1) * input_gates)
-    return total
+    from elmo_core.corpus import _prose_paragraphs
+    from elmo_core.tokenize import split_sentences, unicode_tokens
+
+    sentences = [
+        unicode_tokens(s)
+        for name in sorted(topics)
+        for p in _prose_paragraphs(topics[name])
+        for s in split_sentences(p)
+    ]
+    return random.Random(seed).sample([s for s in sentences if s], n)
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
     """The CPU model, threads, torch's CPU kernel level and whether bf16 runs natively: which kernels ran."""
     from elmo_core.precision import cpu_capability, cpu_has_native_bf16
 
-    model = (
-        next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            "unknown CPU",
-        )
-        if Path("/proc/cpuinfo").exists()
-        else "unknown CPU"
-    )
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
     text = (
         f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
         f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}"
@@ -91,6 +77,27 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
     if torch.device(device).type == "cuda":
         text += f"; GPU {torch.cuda.get_device_name()}"
     return text
+
+
+def model_flops(config: ModelConfig, sentences: list[list[str]]) -> float:
+    """Floating-point operations the model performs for ``embed_sentences`` (matmuls and convolutions only).
+
+    Per distinct word: the char CNN over the kept char positions, highway, projection and layer 0's input-to-gates
+    product; per token step (boundaries included): the recurrent and projection products of every layer and the
+    input product of layers >= 1, in both directions.
+    """
+    p, h, n_layers = config.lstm.projection_dim, config.lstm.dim, config.lstm.n_layers
+    cnn = config.char_cnn
+    d, f, max_width = cnn.embedding.dim, cnn.n_filters, max(w for w, _ in cnn.filters)
+    input_gates = 2 * p * 4 * h
+    per_step = 2 * (p * 4 * h + (h * p if p < h else 0))  # recurrent + projection
+    words = {w for s in sentences for w in s}
+    longest = max(len(w.encode()) for w in words) + 2  # + begin/end-of-word markers
+    kept = min(cnn.max_characters_per_token, longest + max_width)
+    per_word = sum(2 * count * width * d * (kept - width + 1) for width, count in cnn.filters)
+    per_word += cnn.n_highway * 2 * (2 * f * f) + (2 * f * p if f != p else 0) + 2 * input_gates
+    steps = sum(len(s) + 2 for s in sentences)
+    return (len(words) + 2) * per_word + steps * 2 * (n_layers * per_step + (n_layers - 1) * input_gates)
 
 
 def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
@@ -104,28 +111,43 @@ def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / min(times) / 1e9
 
 
-def time_ours(bilm: BiLM, sentences: list[list[str]], repeats: int) -> tuple[float, list[np.ndarray]]:
-    out = bilm.embed_sentences(sentences)  # warm-up
-    times = []
+def time_ours(
+    bilm: BiLM, sentences: list[list[str]], repeats: int
+) -> tuple[dict[str, float], dict[str, list[np.ndarray]]]:
+    """Median seconds per precision, the precisions alternating so both see the same machine; and the vectors."""
+    vectors = {p: bilm.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}  # warm-up
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        bilm.embed_sentences(sentences)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], out
+        for p in times:
+            start = time.perf_counter()
+            bilm.embed_sentences(sentences, precision=p)
+            times[p].append(time.perf_counter() - start)
+    return {p: sorted(t)[len(t) // 2] for p, t in times.items()}, vectors
 
 
-def run_allennlp(model_dir: Path, sentences_file: Path, repeats: int) -> tuple[float, np.ndarray] | str:
-    try:
-        python = (
-            subprocess.run(
-                ["bash", str(ROOT / "bench" / "allennlp_venv.sh")], check=True, capture_output=True, text=True
-            )
-            .stdout.strip()
-            .splitlines()[-1]
+def accuracy(exact: list[np.ndarray], fast: list[np.ndarray]) -> list[str]:
+    """Per layer: worst and 0.1%-quantile per-token cosine of bf16 to fp32, max and mean absolute error."""
+    lines = []
+    for layer in range(exact[0].shape[0]):
+        a, b = np.concatenate([x[layer] for x in exact]), np.concatenate([x[layer] for x in fast])
+        cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+        lines.append(
+            f"layer {layer}: worst cos {cos.min():.5f}, 0.1% quantile {np.quantile(cos, 0.001):.5f}, "
+            f"max |err| {np.abs(a - b).max():.4f}, mean |err| {np.abs(a - b).mean():.5f}"
         )
+    return lines
+
+
+def run_allennlp(model_dir: Path, sentences: list[list[str]], repeats: int) -> tuple[float, list[np.ndarray]] | str:
+    try:
+        setup = subprocess.run(
+            ["bash", str(ROOT / "bench" / "allennlp_venv.sh")], check=True, capture_output=True, text=True
+        )
+        python = setup.stdout.strip().splitlines()[-1]
     except subprocess.CalledProcessError as exc:
         return f"could not set up .venv-allennlp: {exc.stderr.strip()[-300:]}"
-    out_file = model_dir / "allennlp.npz"
+    sentences_file, out_file = model_dir / "sentences.json", model_dir / "allennlp.npz"
+    sentences_file.write_text(json.dumps(sentences))
     result = subprocess.run(
         [
             str(ROOT / python),
@@ -141,31 +163,39 @@ def run_allennlp(model_dir: Path, sentences_file: Path, repeats: int) -> tuple[f
     if result.returncode != 0:
         return f"AllenNLP run failed: {result.stderr.strip()[-500:]}"
     seconds = json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
-    return seconds, np.load(out_file)["activations"]
+    data = np.load(out_file)
+    return seconds, [data[f"s{i}"] for i in range(len(sentences))]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="small,original")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-allennlp", action="store_true")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--onednn-verbose", action="store_true", help="print oneDNN's kernel log of one bf16 batch")
     args = parser.parse_args()
 
     torch.set_grad_enabled(False)
-    sentences = make_sentences()
-    n_tokens = sum(len(s) for s in sentences)
+    workloads = {"uniform": make_sentences(), "long-tailed": real_sentences()}
     roofline = matmul_roofline()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}; "
-        f"{len(sentences)} sentences, {n_tokens} tokens; torch.matmul roofline {roofline:.1f} GFLOP/s"
+    print(describe_machine(args.device))
+    print(f"torch.matmul roofline {roofline:.1f} GFLOP/s (float32)")
+    for name, sentences in workloads.items():
+        lengths = sorted(len(s) for s in sentences)
+        batches = length_batches([len(s) for s in sentences], 8192)
+        print(
+            f"{name}: {len(sentences)} sentences, {sum(lengths)} tokens, lengths {lengths[0]}-{lengths[-1]} (median "
+            f"{lengths[len(lengths) // 2]}), {len(batches)} batches"
+        )
+    header = (
+        f"{'shape':<9}{'workload':<13}{'fp32 tok/s':>11}{'bf16 tok/s':>11}{'bf16/fp32':>10}{'AllenNLP':>10}"
+        f"{'fp32/AN':>9}{'bf16/AN':>9}{'|fp32-AN|':>11}{'fp32 GF/s':>10}{'roofline':>9}"
     )
-    header = f"{'shape':<10}{'ours tok/s':>12}{'AllenNLP tok/s':>16}{'speed-up':>10}{'max |diff|':>12}{'GFLOP/s':>10}{'roofline %':>12}"
     print(header)
     print("-" * len(header))
+    notes: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sentences_file = Path(tmp) / "sentences.json"
-        sentences_file.write_text(json.dumps(sentences))
         for shape in args.shapes.split(","):
             torch.manual_seed(0)
             config = preset(shape)
@@ -175,24 +205,34 @@ def main() -> None:
             fresh.save_pretrained(str(model_dir))
             del fresh
             bilm = BiLM.from_pretrained(str(model_dir), device=args.device)
-            seconds, ours = time_ours(bilm, sentences, args.repeats)
-            ours_tps = n_tokens / seconds
-            gflops = model_flops(config, sentences, 64) / seconds / 1e9
-            base_tps, diff, note = float("nan"), float("nan"), ""
-            if not args.no_allennlp:
-                baseline = run_allennlp(model_dir, sentences_file, args.repeats)
-                if isinstance(baseline, str):
-                    note = baseline
-                else:
-                    base_seconds, acts = baseline
-                    base_tps = n_tokens / base_seconds
-                    diff = max(float(np.abs(acts[i, :, : len(s)] - ours[i]).max()) for i, s in enumerate(sentences))
-            speedup = ours_tps / base_tps if base_tps == base_tps else float("nan")
-            print(
-                f"{shape:<10}{ours_tps:>12,.0f}{base_tps:>16,.0f}{speedup:>9.1f}x{diff:>12.1e}{gflops:>10.1f}{100 * gflops / roofline:>11.1f}%"
-            )
-            if note:
-                print(f"  ({note})")
+            for name, sentences in workloads.items():
+                n_tokens = sum(len(s) for s in sentences)
+                seconds, vectors = time_ours(bilm, sentences, args.repeats)
+                tps = {p: n_tokens / s for p, s in seconds.items()}
+                gflops = model_flops(config, sentences) / seconds["fp32"] / 1e9
+                base_tps, diff = float("nan"), float("nan")
+                if not args.no_allennlp:
+                    baseline = run_allennlp(model_dir, sentences, args.repeats)
+                    if isinstance(baseline, str):
+                        notes.append(baseline)
+                    else:
+                        base_tps = n_tokens / baseline[0]
+                        diff = max(float(np.abs(a - b).max()) for a, b in zip(baseline[1], vectors["fp32"]))
+                print(
+                    f"{shape:<9}{name:<13}{tps['fp32']:>11,.0f}{tps['bf16']:>11,.0f}{tps['bf16'] / tps['fp32']:>9.2f}x"
+                    f"{base_tps:>10,.0f}{tps['fp32'] / base_tps:>8.1f}x{tps['bf16'] / base_tps:>8.1f}x{diff:>11.1e}"
+                    f"{gflops:>10.1f}{100 * gflops / roofline:>8.0f}%"
+                )
+                if name == "long-tailed":
+                    notes += [
+                        f"{shape} bf16 vs fp32 on real text, {line}"
+                        for line in accuracy(vectors["fp32"], vectors["bf16"])
+                    ]
+            if args.onednn_verbose:
+                with onednn_verbose(True):
+                    bilm.embed_sentences(workloads["uniform"][:4], precision="bf16")
+    for note in notes:
+        print(f"  {note}")
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def cmd_export(config: ExportConfig) -> None:
 def cmd_embed(config: EmbedConfig) -> None:
     from elmo_core.embed import embed
 
-    print(embed(config).line())
+    print(embed(config, show_kernels=log.isEnabledFor(logging.DEBUG)).line())
 
 
 def cmd_query(config: QueryConfig) -> None:

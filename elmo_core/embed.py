@@ -44,7 +44,7 @@ from elmo_core.inference import StateCarry, TokenCache, length_batches
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM
 from elmo_core.options import EmbedConfig, IngestConfig
-from elmo_core.precision import autocast, resolve_precision
+from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, onednn_verbose, resolve_precision
 from elmo_core.progress import track
 from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.weights import OPTIONS_NAME, resolve_model_files
@@ -318,8 +318,8 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
 class Embedder:
     """Holds the loaded biLM and writes units. Create one per worker process."""
 
-    def __init__(self, config: EmbedConfig, model_dir: Path) -> None:
-        self.config = config
+    def __init__(self, config: EmbedConfig, model_dir: Path, show_kernels: bool = False) -> None:
+        self.config, self.show_kernels = config, show_kernels
         device = (
             "cuda"
             if config.device == "auto" and torch.cuda.is_available()
@@ -327,6 +327,14 @@ class Embedder:
         )
         self.bilm = BiLM.from_pretrained(str(model_dir), device=device)
         self.precision = resolve_precision(config.precision, self.bilm.device)
+        if show_kernels:
+            log.info(
+                "precision %s on %s: torch CPU kernels %s, native bf16 %s; oneDNN's log of the first batch follows",
+                self.precision,
+                self.bilm.device,
+                cpu_capability(),
+                "yes" if cpu_has_native_bf16() else "no",
+            )
         self.model_id = model_id(model_dir)
         n = self.bilm.num_layers
         if config.mix_weights is not None and len(config.mix_weights) != n:
@@ -387,7 +395,8 @@ class Embedder:
         carry = StateCarry() if self.config.stateful else None
         for batch in self._batches(sentences):
             ids = cache.ids([sentences[i] for i in batch]).to(bilm.device)
-            with autocast(bilm.device, self.precision):
+            with autocast(bilm.device, self.precision), onednn_verbose(self.show_kernels):
+                self.show_kernels = False  # one batch is enough to see the kernels
                 layers, counts, state = bilm.token_rows(
                     ids, state=carry.take(len(batch)) if carry else None, token_table=table
                 )
@@ -486,11 +495,14 @@ def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
     )
 
 
-def embed(config: EmbedConfig) -> EmbedSummary:
-    """Embed every unit not yet written, in this process (the Prefect flow maps units over workers instead)."""
+def embed(config: EmbedConfig, show_kernels: bool = False) -> EmbedSummary:
+    """Embed every unit not yet written, in this process (the Prefect flow maps units over workers instead).
+
+    ``show_kernels``: log the CPU kernel level and bf16 support, and print oneDNN's log of the first batch.
+    """
     started = time.perf_counter()
     job = prepare(config)
-    embedder = Embedder(config, job.model_dir)
+    embedder = Embedder(config, job.model_dir, show_kernels)
     results = []
     with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
         for unit in job.units:

@@ -124,6 +124,11 @@ class TokenEncoder(nn.Module):
 CACHE_INFERENCE_WEIGHTS = os.environ.get("ELMO_NO_WEIGHT_CACHE", "") != "1"
 
 
+def _at_least_fp32(t: Tensor) -> Tensor:
+    """Half-precision tensors up to float32 (the cell state and the gate arithmetic never run in bf16)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def _stacked(pair: Sequence[nn.LSTM], name: str) -> Tensor:
     return torch.stack([getattr(lstm, name) for lstm in pair])
 
@@ -195,7 +200,7 @@ class _Cell:
         return self._finish(self.recurrent_input(x, h), c)
 
     def _finish(self, z: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-        m, c = self.gates(z.float(), c)  # under autocast: bf16 products, float32 cell
+        m, c = self.gates(_at_least_fp32(z), c)  # under autocast: bf16 products, float32 cell
         h = self.project(m)
         if self.proj_clip is not None:
             h = h.clamp(-self.proj_clip, self.proj_clip)
@@ -321,7 +326,7 @@ def _clipped_bilstm(
             chunks = iter(gates_x.split(batch_sizes, dim=1))
             gates_at = lambda offset, n: next(chunks)  # noqa: E731
         step = lambda offset, n, h, c: cell.step(gates_at(offset, n), h, c)  # noqa: E731
-    h, c = h0, c0.float()
+    h, c = h0, _at_least_fp32(c0)
     outputs: list[Tensor] = []
     ended_h: list[Tensor] = []  # final states of rows that ended, the last-ending first
     ended_c: list[Tensor] = []
