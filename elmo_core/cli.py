@@ -9,6 +9,7 @@ Every field of the model (``elmo_core.options``) is a flag with the field's desc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -37,6 +38,7 @@ from elmo_core.options import (
     TrainConfig,
     VocabConfig,
 )
+from elmo_core.probe import PROBE_COMMANDS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
@@ -302,6 +304,17 @@ def cmd_query(config: QueryConfig) -> None:
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
 
+def cmd_probe(run: Callable[..., dict[str, Any]], config: Options) -> None:
+    from elmo_core.probe import results_table
+
+    results = run(config)
+    print(results_table(results))
+    print(
+        f"probe {results['kind']}: -> {Path(config.out) / 'results.json'}, chart.png"  # type: ignore[attr-defined]
+        + (f"; MLflow run {results['mlflow_run_id']}" if results.get("mlflow_run_id") else "")
+    )
+
+
 # name: (options model, handler, positional fields, one-line help, description with an example)
 COMMANDS: dict[str, tuple[type[Options], Callable[[Any], None], tuple[str, ...], str, str]] = {
     "demo": (
@@ -381,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, description=description)
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model, positional)
+    probe = sub.add_parser(
+        "probe",
+        help="judge a model: word-sense 1-NN and a tagging probe, per layer",
+        description="Probes write results.json and chart.png to --out and log an MLflow run.",
+    )
+    kinds = probe.add_subparsers(dest="kind", required=True)
+    for name, (model, _, help_text, description) in PROBE_COMMANDS.items():
+        command = kinds.add_parser(name, help=help_text, description=description)
+        command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
+        add_fields(command, model)
     return parser
 
 
@@ -406,9 +429,13 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    name = args.command
+    name = args.command if args.command != "probe" else f"probe {args.kind}"
     try:
-        model, handler, _, _, _ = COMMANDS[args.command]
+        if args.command == "probe":
+            model, run, _, _ = PROBE_COMMANDS[args.kind]
+            handler = functools.partial(cmd_probe, run)
+        else:
+            model, handler, _, _, _ = COMMANDS[args.command]
         handler(parse_config(model, args))
     except ElmoError as exc:
         print(f"elmo {name}: error: {exc}", file=sys.stderr)

@@ -157,6 +157,13 @@ class _Cell:
         self.projects = pair[0].proj_size > 0
         self.w_ih_t, self.bias, self.w_hh_t, self.w_hr_t = self.weights(pair)
         self.w_cat_t = torch.cat([self.w_ih_t, self.w_hh_t], dim=1) if self.fuses_input else None
+        device = pair[0].weight_ih_l0.device.type
+        if not self.fuses_input and torch.is_autocast_enabled(device):
+            # autocast caches the casts of parameters only, not of these stacked weights: cast them once per call
+            # of the layer, not at every time step (differentiable, so training still updates the float32 masters)
+            dtype = torch.get_autocast_dtype(device)
+            self.w_ih_t, self.w_hh_t = self.w_ih_t.to(dtype), self.w_hh_t.to(dtype)
+            self.w_hr_t = self.w_hr_t.to(dtype) if self.w_hr_t is not None else None
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """(W_ih.T (2, in, 4H), bias (2, 1, 4H), W_hh.T (2, P, 4H), W_hr.T (2, H, P) or None)."""

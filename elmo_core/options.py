@@ -296,3 +296,51 @@ class DemoConfig(Options):
     input: str | None = Field(
         None, description="whitespace-tokenized sentences, one per line; default: data/probes/apple.txt"
     )
+
+
+# ----- probe -------------------------------------------------------------------------------------------
+
+
+class ProbeOptions(Options):
+    """What every probe shares: how the vectors are made and where the run is tracked."""
+
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="precision of the embedding step")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    tracking: Literal["mlflow", "none"] = Field("mlflow", description="log the probe as an MLflow run, or not")
+    mlflow_experiment: str = Field("elmo-probe", description="MLflow experiment name")
+
+
+class WsdOptions(ProbeOptions):
+    mix_weights: list[float] | None = Field(
+        None, description="scalar-mix weights before softmax; default: plain average"
+    )
+
+
+class TagOptions(ProbeOptions):
+    column: str = Field("upos", description="CoNLL-U column with the tags: upos, xpos or a 1-based number")
+    epochs: int = Field(20, gt=0, description="passes over the training tokens (the best dev epoch is reported)")
+    learning_rate: float = Field(0.005, gt=0.0, description="Adam's learning rate")
+    batch_tokens: int = Field(1024, gt=0, description="tokens per optimizer step")
+    seed: int = Field(0, description="seeds initialisation and token order (the probe is deterministic)")
+
+
+class WsdConfig(WsdOptions):
+    model: str = Field(description="model directory, runs:/RUN/model or models:/NAME/VERSION")
+    data: str | None = Field(
+        None, description="sense-annotated JSONL/TSV, or a WordNet 3.0 folder (default /usr/share/wordnet)"
+    )
+    out: str = Field(description="folder for results.json, the chart and the examples used")
+    tracking_uri: str | None = Field(
+        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
+    )
+
+
+class TagConfig(TagOptions):
+    model: str = Field(description="model directory, runs:/RUN/model or models:/NAME/VERSION")
+    train: str = Field(description="tagged sentences to train the probe on: CoNLL-U, or token/tag columns")
+    dev: str = Field(description="tagged sentences to choose the epoch on and report")
+    test: str | None = Field(None, description="tagged sentences to report on as well")
+    out: str = Field(description="folder for results.json and the chart")
+    tracking_uri: str | None = Field(
+        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
+    )

@@ -17,7 +17,8 @@ LAYERS = [
     "chars",
     "config",
     "tokenize",
-    "options",  # ids, the model config, every stage's options
+    "wordnet",
+    "options",  # ids, the model config, WordNet's files, every stage's options
     "ingest",
     "vocab",
     "batches",  # text → Parquet → DuckDB vocab → batches
@@ -30,6 +31,7 @@ LAYERS = [
     "tracking",
     "train",  # training
     "embed",
+    "probe",
     "query",
     "corpus",  # embeddings, queries, the default corpus
     "mlflow_model",

@@ -27,8 +27,14 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def test_every_cli_flag_is_a_field_and_every_field_a_flag():
-    for name, command in _subparsers(build_parser()).items():
-        model = COMMANDS[name][0]
+    from elmo_core.probe import PROBE_COMMANDS
+
+    commands = _subparsers(build_parser())
+    probes = _subparsers(commands.pop("probe"))
+    pairs = [(COMMANDS[name][0], command) for name, command in commands.items()]
+    pairs += [(PROBE_COMMANDS[name][0], command) for name, command in probes.items()]
+    for model, command in pairs:
+        name = command.prog
         dests = {a.dest for a in command._actions} - NOT_FIELDS
         assert dests == set(model.model_fields), name
         for action in command._actions:
@@ -69,7 +75,14 @@ def test_one_list_of_presets_and_of_tokenizers():
 
 
 def test_the_flows_take_the_option_models():
+    from elmo_core.options import TagConfig, WsdConfig
     from flows.embed import embed_flow
+    from flows.probe import probe_flow
+
+    probe_parameters = inspect.signature(probe_flow.fn).parameters
+    assert list(probe_parameters) == ["kind", "wsd", "tag"]
+    assert probe_parameters["wsd"].annotation in (WsdConfig | None, "WsdConfig | None")
+    assert probe_parameters["tag"].annotation in (TagConfig | None, "TagConfig | None")
     from flows.pipeline import PipelineParams, elmo_pipeline
 
     assert list(inspect.signature(elmo_pipeline.fn).parameters) == ["params"]
@@ -105,7 +118,7 @@ def test_prefect_yaml_parameters_validate_against_the_flows():
         flow = getattr(module, function)
         flow.validate_parameters(deployment.get("parameters") or {})  # raises on a parameter the flow lacks
         names.add(f"{flow.name}/{deployment['name']}")
-    assert {"elmo/train", "embed/embed"} <= names
+    assert {"elmo/train", "embed/embed", "probe/probe"} <= names
 
 
 def test_the_deprecated_bf16_flags_map_onto_precision(caplog):
