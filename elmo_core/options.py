@@ -319,6 +319,9 @@ class WsdOptions(ProbeOptions):
 class TagOptions(ProbeOptions):
     column: str = Field("upos", description="CoNLL-U column with the tags: upos, xpos or a 1-based number")
     epochs: int = Field(20, gt=0, description="passes over the training tokens (the best dev epoch is reported)")
+    min_steps: int = Field(
+        2000, ge=0, description="at least this many optimizer steps: a small training set gets more passes"
+    )
     learning_rate: float = Field(0.005, gt=0.0, description="Adam's learning rate")
     batch_tokens: int = Field(1024, gt=0, description="tokens per optimizer step")
     seed: int = Field(0, description="seeds initialisation and token order (the probe is deterministic)")

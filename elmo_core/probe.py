@@ -308,6 +308,12 @@ class Probe(nn.Module):
         return self.linear(features)
 
 
+def epochs_to_run(n_tokens: int, config: TagOptions) -> int:
+    """``epochs``, or more when that would take fewer than ``min_steps`` optimizer steps."""
+    per_epoch = math.ceil(n_tokens / config.batch_tokens)
+    return max(config.epochs, math.ceil(config.min_steps / per_epoch))
+
+
 def train_probe(
     features: dict[str, torch.Tensor],
     labels: dict[str, torch.Tensor],
@@ -324,7 +330,7 @@ def train_probe(
     order = torch.Generator().manual_seed(config.seed)
     best: dict[str, Any] = {"dev_accuracy": -1.0}
     n = features["train"].shape[1]
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(1, epochs_to_run(n, config) + 1):
         probe.train()
         for batch in torch.randperm(n, generator=order).split(config.batch_tokens):
             loss = nn.functional.cross_entropy(probe(features["train"][:, batch].float()), labels["train"][batch])
@@ -377,7 +383,8 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
     scores: dict[str, dict[str, dict[str, float]]] = {s: {"accuracy": {}, "macro_f1": {}} for s in evaluated}
     chosen: dict[str, int] = {}
     learned_mix = None
-    with track("probe-tag", len(configurations) * config.epochs, "epochs") as progress:
+    epochs = epochs_to_run(int(labels["train"].numel()), config)
+    with track("probe-tag", len(configurations) * epochs, "epochs") as progress:
         for name, layer in configurations.items():
             best = train_probe(features, labels, layer, len(tagset), config, progress)
             chosen[name] = best["epoch"]

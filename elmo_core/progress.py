@@ -50,6 +50,11 @@ def add_sink(sink: ProgressSink) -> Iterator[None]:
         _SINKS.reset(token)
 
 
+def format_amount(value: float) -> str:
+    """12,345 for large amounts, 0.3 for small fractional ones (megabytes of a short file)."""
+    return f"{value:.1f}" if value < 10 and value != int(value) else f"{value:,.0f}"
+
+
 def _format_eta(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -141,11 +146,11 @@ class Progress:
 
     def line(self) -> str:
         """``train: 120/600 steps (20%), ETA 4:10, loss 5.21``"""
-        total = f"/{self.total:,.0f}" if self.total else ""
+        total = f"/{format_amount(self.total)}" if self.total else ""
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         eta = f", ETA {_format_eta(self.eta_s)}" if self.total else ""
         info = f", {self.info}" if self.info else ""
-        return f"{self.name}: {self.done:,.0f}{total} {self.unit}{share}{eta}{info}"
+        return f"{self.name}: {format_amount(self.done)}{total} {self.unit}{share}{eta}{info}"
 
     def close(self) -> None:
         seconds = time.perf_counter() - self._started

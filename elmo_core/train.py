@@ -165,23 +165,15 @@ def evaluate(
             top_f, top_b, state = objective.hidden(
                 _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state
             )
-            p = top_f.shape[-1]
-            softmax = bilm.softmax
-            total_f += float(
-                full_softmax_loss(
-                    top_f.reshape(-1, p),
-                    _tensor(batch["next_token_id"], device).reshape(-1),
-                    softmax.weight,
-                    softmax.bias,
+            p, softmax = top_f.shape[-1], bilm.softmax
+            total_f, total_b = (
+                total
+                + float(
+                    full_softmax_loss(
+                        top.reshape(-1, p), _tensor(batch[key], device).reshape(-1), softmax.weight, softmax.bias
+                    )
                 )
-            )
-            total_b += float(
-                full_softmax_loss(
-                    top_b.reshape(-1, p),
-                    _tensor(batch["next_token_id_reverse"], device).reshape(-1),
-                    softmax.weight,
-                    softmax.bias,
-                )
+                for total, top, key in ((total_f, top_f, "next_token_id"), (total_b, top_b, "next_token_id_reverse"))
             )
             if log_p is not None:
                 unigram += float(-log_p[batch["next_token_id"]].mean())

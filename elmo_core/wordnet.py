@@ -147,3 +147,21 @@ def read_wordnet(directory: str | Path = DEFAULT_DIR) -> list[SenseExample]:
     if not records:
         raise InputError(f"{directory}: no example sentence names a lemma with two senses; is it WordNet 3.0?")
     return records
+
+
+def write_definitions(directory: str | Path, path: str | Path) -> int:
+    """WordNet's definitions without their quoted examples, one per line: ~2M tokens of general English that
+    share no sentence with the word-sense probe's examples (a corpus to train a model to probe). Returns lines."""
+    directory = Path(directory)
+    if not is_wordnet_dir(directory):
+        raise InputError(f"{directory}: not a WordNet 3.0 database folder; {INSTALL_HINT}")
+    lines = []
+    for name in POS_NAMES.values():
+        for line in _lines(directory / f"data.{name}"):
+            gloss = _QUOTED.sub("", line.partition(" | ")[2])
+            text = " ".join(part.strip() for part in gloss.split(";") if part.strip())
+            if text:
+                lines.append(" ".join(unicode_tokens(text)))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(lines)

@@ -27,7 +27,7 @@ from prefect import get_run_logger  # noqa: E402  (after the environment default
 from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
 
 from elmo_core.errors import ElmoError  # noqa: E402
-from elmo_core.progress import add_sink, track  # noqa: E402
+from elmo_core.progress import add_sink, format_amount, track  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 logging.getLogger("elmo_core").setLevel(logging.INFO)  # its INFO lines (not only warnings) reach the run logs
@@ -49,7 +49,7 @@ class PrefectProgress:
             0.0, key=f"{name}-progress", description=f"{name}: {unit} done of the stage"
         )
         self.last[name] = (time.monotonic(), 0.0)
-        self.logger.info("%s: started (%s %s)", name, f"{total:,.0f}" if total else "?", unit)
+        self.logger.info("%s: started (%s %s)", name, format_amount(total) if total else "?", unit)
 
     def update(self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str) -> None:
         share = 100.0 * done / total if total else 0.0
@@ -63,8 +63,8 @@ class PrefectProgress:
             self.logger.info(
                 "%s: %s/%s %s (%.0f%%)%s%s",
                 name,
-                f"{done:,.0f}",
-                f"{total:,.0f}" if total else "?",
+                format_amount(done),
+                format_amount(total) if total else "?",
                 unit,
                 share,
                 eta,
@@ -74,7 +74,7 @@ class PrefectProgress:
     def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None:
         if name in self.artifacts:
             update_progress_artifact(self.artifacts.pop(name), 100.0)
-        self.logger.info("%s: %s %s in %.0f s", name, f"{done:,.0f}", unit, seconds)
+        self.logger.info("%s: %s %s in %.0f s", name, format_amount(done), unit, seconds)
 
 
 @contextmanager

@@ -136,6 +136,16 @@ def _stage_cache_key(
 # ----- tasks: one call into elmo_core each -----------------------------------------------------------------
 
 
+# the stages whose outputs a stamp describes: retried on passing trouble, served from Prefect's cache when unchanged
+CACHED_STAGE = {
+    "retries": 2,
+    "retry_delay_seconds": 5,
+    "retry_condition_fn": retry_unless_user_error,
+    "cache_key_fn": _stage_cache_key("out", "fingerprint"),
+    "persist_result": True,
+}
+
+
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
 def default_corpus(workdir: str) -> list[str]:
     path, paragraphs = write_default_corpus(Path(workdir) / "corpus" / "pydoc_topics.txt")
@@ -143,13 +153,7 @@ def default_corpus(workdir: str) -> list[str]:
     return [str(path)]
 
 
-@task(
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=retry_unless_user_error,
-    cache_key_fn=_stage_cache_key("out", "fingerprint"),
-    persist_result=True,
-)
+@task(**CACHED_STAGE)
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
@@ -177,13 +181,7 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
     return result
 
 
-@task(
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=retry_unless_user_error,
-    cache_key_fn=_stage_cache_key("out", "fingerprint"),
-    persist_result=True,
-)
+@task(**CACHED_STAGE)
 @stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
     result = _run_stage(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
@@ -361,6 +359,14 @@ def _print_summary(s: dict[str, Any]) -> None:
             "  or in the duckdb shell:",
             *("    " + q for q in s["query"].splitlines()),
         ]
+    model, work = s["model_dir"], Path(s["model_dir"]).parent
+    tagging = "data/probes/tagging"
+    lines += [
+        f"  judge it    .venv/bin/elmo probe wsd --model {model} --out {work / 'probe_wsd'}   (WordNet 3.0's examples:",
+        "              sudo apt-get install wordnet-base), and a tagging probe per layer:",
+        f"              .venv/bin/elmo probe tag --model {model} --train {tagging}/train.tsv --dev {tagging}/dev.tsv "
+        f"--test {tagging}/test.tsv --out {work / 'probe_tag'}",
+    ]
     print("\n".join(lines))
 
 

@@ -202,7 +202,7 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
 
     _prefect(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     deployed = _prefect(env, "--no-prompt", "deploy", "--all")
-    assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout
+    assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout and "probe/probe" in deployed.stdout
     worker_log = open(tmp_path / "worker.log", "w")
     worker = subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", "local"],
@@ -255,6 +255,38 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         )
         assert "Completed" in run.stdout, run.stdout[-3000:]
         _check_progress_in_the_ui(env)
+
+        # judge the registered model with the tagging probe, through the probe deployment
+        tagging = ROOT / "data" / "probes" / "tagging"
+        probe = {
+            "kind": "tag",
+            "tag": {
+                "model": "models:/elmo/latest",
+                "train": str(tagging / "train.tsv"),
+                "dev": str(tagging / "dev.tsv"),
+                "out": str(runs / "probe_tag"),
+                "min_steps": 50,
+            },
+        }
+        run = _prefect(
+            env,
+            "deployment",
+            "run",
+            "probe/probe",
+            "--params",
+            json.dumps(probe),
+            "--watch",
+            "--watch-timeout",
+            "600",
+            timeout=700,
+        )
+        assert "Completed" in run.stdout, run.stdout[-3000:]
+        results = json.loads((runs / "probe_tag" / "results.json").read_text())
+        assert set(results["dev"]["accuracy"]) == {"layer_0", "layer_1", "layer_2", "mix"}
+        probe_run = client.get_run(results["mlflow_run_id"])
+        assert "tag/acc/mix" in probe_run.data.metrics and probe_run.data.tags["elmo.probe"] == "tag"
+        markdown = _api(env, "/artifacts/filter", {"artifacts": {"key": {"any_": ["probe-tag"]}}})
+        assert markdown and "| layer_1 |" in markdown[0]["data"]
     finally:
         _kill_group(worker)
         worker_log.close()

@@ -199,6 +199,7 @@ def test_the_tagging_probe_is_deterministic_and_reports_every_layer_and_the_mix(
                 test=str(TAGGING / "test.tsv"),
                 out=str(tmp_path / out),
                 epochs=4,
+                min_steps=40,
                 tracking="none",
             )
         )
@@ -249,50 +250,31 @@ def test_a_probe_is_an_mlflow_run_with_per_layer_metrics_and_the_chart(bank_sens
     assert {"chart.png", "results.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
+def _elmo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
 def test_elmo_probe_on_the_command_line(tmp_path, allennlp_dir):
     wordnet = write_wordnet_sample(tmp_path / "wn")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "probe",
-            "wsd",
-            "--model",
-            str(allennlp_dir),
-            "--data",
-            str(wordnet),
-            "--out",
-            str(tmp_path / "out"),
-            "--tracking",
-            "none",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = _elmo(
+        "probe",
+        "wsd",
+        "--model",
+        str(allennlp_dir),
+        "--data",
+        str(wordnet),
+        "--out",
+        str(tmp_path / "out"),
+        "--tracking",
+        "none",
     )
     assert done.returncode == 0, done.stderr
     assert "| layer_2 |" in done.stdout and "| most frequent sense |" in done.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["occurrences"] == 9
-    missing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "probe",
-            "wsd",
-            "--model",
-            str(allennlp_dir),
-            "--data",
-            str(tmp_path / "nowhere"),
-            "--out",
-            str(tmp_path / "o2"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    missing = _elmo(
+        "probe", "wsd", "--model", str(allennlp_dir), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o2")
     )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert (
