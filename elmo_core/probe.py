@@ -495,9 +495,6 @@ def _finish(
     tracker: Tracker | None,
     model_dir: Path,
 ) -> None:
-    results["model_dir"] = str(model_dir)
-    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
-    _chart(results, out / "chart.png")
     if tracker is None:
         tracker = (
             MLflowTracker(
@@ -509,14 +506,18 @@ def _finish(
             if config.tracking == "mlflow"
             else NullTracker()
         )
+    status = "FAILED"
     try:
+        results["model_dir"], results["mlflow_run_id"] = str(model_dir), tracker.run_id
+        write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+        _chart(results, out / "chart.png")
         tracker.log_params({"probe": config.model_dump(mode="json")})
         tracker.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, 0)
         tracker.log_artifact(out / "results.json")
         tracker.log_artifact(out / "chart.png")
-        results["mlflow_run_id"] = tracker.run_id
+        status = "FINISHED"
     finally:
-        tracker.close("FINISHED")
+        tracker.close(status)
     log.info("probe %s: %s", results["kind"], out / "results.json")
 
 
