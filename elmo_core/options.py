@@ -14,12 +14,11 @@ flags merge as: field defaults < config file < flags. Flows take the option mode
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from elmo_core.config import ModelConfig, PresetName, load_config_file, preset
+from elmo_core.config import ModelConfig, PresetName, preset
 from elmo_core.errors import ConfigError
 from elmo_core.tokenize import TokenizerName
 
@@ -32,13 +31,6 @@ class Options(BaseModel):
     """Base of every options model: unknown keys are errors, values never change after validation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any):  # noqa: ANN206  (returns cls)
-        """Load a YAML/JSON file of fields; ``overrides`` (not None) win over the file."""
-        data = load_config_file(path)
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return validate(cls, data, source=str(path))
 
 
 def validate(cls: type[Options], data: dict[str, Any], source: str = "options"):  # noqa: ANN201

@@ -115,11 +115,6 @@ class Progress:
             return None
         return max(self.total - self.done, 0.0) / rate
 
-    def set_total(self, total: float | None) -> None:
-        self.total = total
-        if self._bar is not None:
-            self._bar.update(self._task, total=total)
-
     def advance(self, amount: float = 1.0, info: str | None = None) -> None:
         self.update(self.done + amount, info)
 

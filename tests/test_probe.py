@@ -87,6 +87,15 @@ def test_the_wordnet_reader_finds_each_lemma_s_inflected_forms_and_keeps_ambiguo
         read_wordnet(tmp_path)
 
 
+def test_wordnet_definitions_without_their_examples_as_a_corpus(tmp_path):
+    from elmo_core.wordnet import write_definitions
+
+    lines = write_definitions(write_wordnet_sample(tmp_path / "wn"), tmp_path / "definitions.txt")
+    text = (tmp_path / "definitions.txt").read_text()
+    assert lines == len(SYNSETS) and "land beside a river" in text and "a business that keeps money" in text
+    assert "fished" not in text and '"' not in text  # no probe sentence leaks into the training text
+
+
 def test_sense_files_in_jsonl_and_tsv_and_their_errors(tmp_path):
     (tmp_path / "s.jsonl").write_text(
         json.dumps({"tokens": ["a", "bank"], "index": 1, "sense": "x", "lemma": "bank.n"}) + "\n"
