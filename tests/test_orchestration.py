@@ -348,3 +348,33 @@ def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allen
     con = duckdb.connect()
     rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))  # noqa: F841  (used by name)
     assert con.execute("SELECT count(*) FROM rel").fetchone()[0] == sum(len(line.split()) for line in lines)
+
+
+def test_a_failing_flow_reports_its_reason_once_without_tracebacks_or_retries(prefect_server, tmp_path, allennlp_dir):
+    (tmp_path / "a_file").write_text("not a folder\n")
+    config = {
+        "model": str(allennlp_dir),
+        "input": str(ROOT / "data" / "probes" / "apple.txt"),
+        "out": str(tmp_path / "a_file"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.embed", json.dumps(config)],
+        cwd=ROOT,
+        env=prefect_server,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output
+    reason = f"{tmp_path / 'a_file'}: is a file; --out takes a folder"
+    assert (
+        result.stderr.strip().splitlines()[-1].startswith("embed: failed: ")
+        and reason in result.stderr.strip().splitlines()[-1]
+    )
+    assert "Retry" not in output  # a user error is not retried
+    messages = [
+        log["message"] for log in _api(prefect_server, "/logs/filter", {"limit": 200, "sort": "TIMESTAMP_DESC"})
+    ]
+    runs_reporting = [m for m in messages if reason in m]
+    assert 1 <= len(runs_reporting) <= 2  # the failed task's state line and the flow's, each once
