@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -295,8 +295,12 @@ class WordGates:
     table: Tensor
     rows: Tensor
 
-    def at(self, offset: int, n: int) -> Tensor:
-        return self.table.index_select(0, self.rows[:, offset : offset + n].reshape(-1)).view(2, n, -1)
+    def steps(self, batch_sizes: list[int]) -> Iterator[Tensor]:
+        """Each step's (2, rows, 4H) input gates, in order."""
+        offset = 0
+        for n in batch_sizes:
+            yield self.table.index_select(0, self.rows[:, offset : offset + n].reshape(-1)).view(2, n, -1)
+            offset += n
 
 
 def _clipped_bilstm(
@@ -320,31 +324,25 @@ def _clipped_bilstm(
     """
     like = x if x is not None else gates_x.table if isinstance(gates_x, WordGates) else gates_x
     cell = lstm_cell(pair, cell_clip, proj_clip, like)  # type: ignore[arg-type]
-    # one split, not a slice per step: a slice's gradient would zero-fill the whole tensor at every step
-    if gates_x is None and cell.fuses_input:  # inference: the step's input and state in one product
-        inputs = iter(x.split(batch_sizes, dim=1))  # type: ignore[union-attr]
-        step = lambda offset, n, h, c: cell.step_input(next(inputs), h, c)  # noqa: E731
+    # per step, what the cell takes: the step's inputs (inference fuses them with the state in one product) or
+    # its input gates. One split, not a slice per step: a slice's gradient would zero-fill the whole tensor each step
+    if gates_x is None and cell.fuses_input:
+        sources, step = x.split(batch_sizes, dim=1), cell.step_input  # type: ignore[union-attr]
     else:
         if gates_x is None:  # training: input-to-gates for every step in one product, only h @ W_hh per step
             gates_x = cell.input_gates(x)  # type: ignore[arg-type]
-        if isinstance(gates_x, WordGates):
-            gates_at = gates_x.at
-        else:
-            chunks = iter(gates_x.split(batch_sizes, dim=1))
-            gates_at = lambda offset, n: next(chunks)  # noqa: E731
-        step = lambda offset, n, h, c: cell.step(gates_at(offset, n), h, c)  # noqa: E731
+        sources = gates_x.steps(batch_sizes) if isinstance(gates_x, WordGates) else gates_x.split(batch_sizes, dim=1)
+        step = cell.step
     h, c = h0, _at_least_fp32(c0)
     outputs: list[Tensor] = []
     ended_h: list[Tensor] = []  # final states of rows that ended, the last-ending first
     ended_c: list[Tensor] = []
-    offset = 0
-    for n in batch_sizes:
+    for n, source in zip(batch_sizes, sources):
         if n < h.shape[1]:
             ended_h.append(h[:, n:])
             ended_c.append(c[:, n:])
             h, c = h[:, :n], c[:, :n]
-        h, c = step(offset, n, h, c)
-        offset += n
+        h, c = step(source, h, c)
         outputs.append(h)
     h_n = torch.cat([h, *reversed(ended_h)], dim=1) if ended_h else h
     c_n = torch.cat([c, *reversed(ended_c)], dim=1) if ended_c else c
