@@ -44,7 +44,14 @@ from elmo_core.inference import StateCarry, TokenCache, length_batches
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM
 from elmo_core.options import EmbedConfig, IngestConfig
-from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, onednn_verbose, resolve_precision
+from elmo_core.precision import (
+    autocast,
+    cpu_capability,
+    cpu_has_native_bf16,
+    onednn_verbose,
+    pick_device,
+    resolve_precision,
+)
 from elmo_core.progress import track
 from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.weights import OPTIONS_NAME, resolve_model_files
@@ -320,12 +327,7 @@ class Embedder:
 
     def __init__(self, config: EmbedConfig, model_dir: Path, show_kernels: bool = False) -> None:
         self.config, self.show_kernels = config, show_kernels
-        device = (
-            "cuda"
-            if config.device == "auto" and torch.cuda.is_available()
-            else ("cpu" if config.device == "auto" else config.device)
-        )
-        self.bilm = BiLM.from_pretrained(str(model_dir), device=device)
+        self.bilm = BiLM.from_pretrained(str(model_dir), device=pick_device(config.device))
         self.precision = resolve_precision(config.precision, self.bilm.device)
         if show_kernels:
             log.info(

@@ -1,8 +1,9 @@
-"""Numeric precision of a run: exact float32 (bilm-tf's numbers) or bfloat16 matmuls with float32 state.
+"""Where and in what precision a run computes: its device, and exact float32 (bilm-tf's numbers) or bfloat16
+matmuls with float32 state.
 
 ``bf16`` runs the char CNN, highway, projection, the LSTM input and recurrent matmuls (and the softmax where
 used) in bfloat16 under ``torch.autocast``; accumulation happens in float32 inside the kernels, and the LSTM
-cell state, the gate arithmetic and the loss stay float32 (``model._clipped_lstm`` casts the gates up).
+cell state, the gate arithmetic and the loss stay float32 (``model._Cell`` casts the gates up).
 CPUs without native bf16 instructions still run it, more slowly; ``ELMO_ASSUME_NO_BF16=1`` makes this
 module report such a CPU (how the tests exercise that path on machines that have bf16).
 """
@@ -20,6 +21,17 @@ import torch
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → CUDA when there is a GPU, else the CPU; CUDA asked for without one falls back with a warning."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        log.warning("CUDA is not available; running on the CPU")
+        return torch.device("cpu")
+    return device
 
 
 @lru_cache(maxsize=1)

@@ -44,7 +44,7 @@ from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.model import BiLM, ScalarMix
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
-from elmo_core.precision import resolve_precision
+from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
 from elmo_core.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
@@ -137,8 +137,7 @@ def read_tagged(path: str | Path, column: str = "upos") -> list[tuple[list[str],
 
 def load_model(model: str, device: str) -> tuple[BiLM, Path]:
     model_dir = resolve_model_dir(model)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    return BiLM.from_pretrained(str(model_dir), device=device), model_dir
+    return BiLM.from_pretrained(str(model_dir), device=pick_device(device)), model_dir
 
 
 def embed_all(

@@ -40,7 +40,7 @@ from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf
 from elmo_core.options import TrainConfig, validate
-from elmo_core.precision import autocast, resolve_precision
+from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
@@ -275,18 +275,6 @@ def _gather(ddp: _Dist, item: Any) -> list[Any]:
     return gathered
 
 
-def _pick_device(name: str, ddp_local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        log.warning("CUDA is not available; training on the CPU")
-        return torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", ddp_local_rank)
-    return device
-
-
 def _check_replicas_agree(bilm: BiLM, ddp: _Dist, out: Path) -> None:
     """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
     digest = hashlib.sha256()
@@ -397,8 +385,10 @@ class Run:
 def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
     torch.manual_seed(config.seed)
-    ddp = _init_distributed(_pick_device(config.device))
-    device = _pick_device(config.device, ddp.local_rank)
+    device = pick_device(config.device)
+    ddp = _init_distributed(device)
+    if device.type == "cuda" and device.index is None:  # a bare "cuda" under torchrun: this process's GPU
+        device = torch.device("cuda", ddp.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     out, data = Path(config.out), Path(config.data)

@@ -91,6 +91,15 @@ def test_precision_names_are_checked():
     assert precision_module.resolve_precision("auto", "cuda") == "bf16"
 
 
+def test_cuda_asked_for_without_a_gpu_falls_back_to_the_cpu_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precision_module.pick_device("auto") == torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="elmo_core.precision"):
+        assert precision_module.pick_device("cuda:1") == torch.device("cpu")
+    assert "CUDA is not available" in caplog.text
+    assert precision_module.pick_device("cpu") == torch.device("cpu")
+
+
 def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path, bilm_tf_dir):
     from elmo_core.ingest import IngestConfig, ingest
     from elmo_core.train import TrainConfig, setup, step
