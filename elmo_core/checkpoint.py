@@ -68,8 +68,15 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def _read_verified(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The payload of a checkpoint whose bytes match its digest and that loads, or None and why not."""
+    issue = problem(path)
+    if issue is not None:
+        return None, issue
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, pickle errors, … for unreadable files
+        return None, f"it cannot be read ({str(exc).splitlines()[0][:120]})"
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -77,13 +84,10 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint")
-    issue = problem(path)
-    if issue is None:
-        try:
-            return _load(path)
-        except Exception as exc:  # torch raises RuntimeError, EOFError, pickle errors, … for unreadable files
-            issue = f"it cannot be read ({str(exc).splitlines()[0][:120]})"
-    raise CheckpointError(f"{path}: {issue}; export another checkpoint of the run")
+    payload, issue = _read_verified(path)
+    if payload is None:
+        raise CheckpointError(f"{path}: {issue}; export another checkpoint of the run")
+    return payload
 
 
 def load_newest_valid(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -94,16 +98,11 @@ def load_newest_valid(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """
     damaged: list[str] = []
     for path in reversed(list_checkpoints(out)):
-        issue = problem(path)
-        if issue is None:
-            try:
-                payload = _load(path)
-            except Exception as exc:
-                issue = f"it cannot be read ({str(exc).splitlines()[0][:120]})"
-            else:
-                if damaged:
-                    log.warning("skipped damaged checkpoint %s; using %s", "; ".join(damaged), path.name)
-                return path, payload
+        payload, issue = _read_verified(path)
+        if payload is not None:
+            if damaged:
+                log.warning("skipped damaged checkpoint %s; using %s", "; ".join(damaged), path.name)
+            return path, payload
         damaged.append(f"{path} ({issue})")
     if damaged:
         raise CheckpointError(
