@@ -28,13 +28,12 @@ LOG_EVERY_SECONDS = 60.0
 
 
 class ProgressSink(Protocol):
-    """Receives a stage's progress; ``update`` is called at most a few times a second."""
+    """Receives a stage's progress: ``update`` at most twice a second, with the stage's log line (``line()``)
+    when one is due (about every 10% or 60 s), else None."""
 
-    def begin(self, name: str, total: float | None, unit: str) -> None: ...
-    def update(
-        self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str
-    ) -> None: ...
-    def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None: ...
+    def begin(self, progress: Progress) -> None: ...
+    def update(self, progress: Progress, line: str | None) -> None: ...
+    def end(self, progress: Progress, seconds: float) -> None: ...
 
 
 _SINKS: ContextVar[tuple[ProgressSink, ...]] = ContextVar("elmo_progress_sinks", default=())
@@ -105,7 +104,7 @@ class Progress:
             self._task = self._bar.add_task(name, total=total, completed=done, info="")
             self._bar.start()
         for sink in self._sinks:
-            sink.begin(name, total, unit)
+            sink.begin(self)
 
     @property
     def eta_s(self) -> float | None:
@@ -125,19 +124,27 @@ class Progress:
         now = time.perf_counter()
         if self._bar is not None:
             self._bar.update(self._task, completed=done, info=self.info)
-        elif not self._sinks and self._log_due(now):  # a sink (the Prefect UI) reports instead
+        line = None
+        if self._log_due(now):
             self._last_log, self._last_log_done = now, done
-            log.info("%s", self.line())
-        if self._sinks and now - self._last_sink >= 0.5:
+            line = self.line()
+            if self._bar is None and not self._sinks:  # a bar shows it; a sink (the Prefect UI) logs it instead
+                log.info("%s", line)
+        if self._sinks and (line is not None or now - self._last_sink >= 0.5):
             self._last_sink = now
             for sink in self._sinks:
-                sink.update(self.name, done, self.total, self.unit, self.eta_s, self.info)
+                sink.update(self, line)
 
     def _log_due(self, now: float) -> bool:
         if self.total:
             if (self.done - self._last_log_done) >= LOG_EVERY_FRACTION * self.total:
                 return True
         return now - self._last_log >= LOG_EVERY_SECONDS
+
+    @property
+    def percent(self) -> float:
+        """Share done, 0 to 100 (0 while the total is unknown)."""
+        return min(100.0 * self.done / self.total, 100.0) if self.total else 0.0
 
     def line(self) -> str:
         """``train: 120/600 steps (20%), ETA 4:10, loss 5.21``"""
@@ -152,7 +159,7 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
         for sink in self._sinks:
-            sink.end(self.name, self.done, self.total, self.unit, seconds)
+            sink.end(self, seconds)
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from prefect import get_run_logger  # noqa: E402  (after the environment default
 from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
 
 from elmo_core.errors import ElmoError  # noqa: E402
-from elmo_core.progress import add_sink, format_amount, track  # noqa: E402
+from elmo_core.progress import Progress, add_sink, format_amount, track  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 logging.getLogger("elmo_core").setLevel(logging.INFO)  # its INFO lines (not only warnings) reach the run logs
@@ -36,45 +36,36 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class PrefectProgress:
-    """A stage's progress in the Prefect UI: a progress artifact per stage, updated as it goes, and a run-log
-    line about every 10% or 60 s (with the ETA)."""
+    """A stage's progress in the Prefect UI: a progress artifact per stage, updated every 2% or 10 s, and the
+    stage's progress lines (about every 10% or 60 s, with the ETA) in the run's logs."""
 
     def __init__(self) -> None:
         self.logger = get_run_logger()
         self.artifacts: dict[str, Any] = {}
-        self.last: dict[str, tuple[float, float]] = {}  # name → (time, share) of the last report
+        self.shown: dict[str, tuple[float, float]] = {}  # name → (time, percent) of the artifact's last update
 
-    def begin(self, name: str, total: float | None, unit: str) -> None:
+    def begin(self, progress: Progress) -> None:
+        name = progress.name
         self.artifacts[name] = create_progress_artifact(
-            0.0, key=f"{name}-progress", description=f"{name}: {unit} done of the stage"
+            0.0, key=f"{name}-progress", description=f"{name}: {progress.unit} done of the stage"
         )
-        self.last[name] = (time.monotonic(), 0.0)
-        self.logger.info("%s: started (%s %s)", name, format_amount(total) if total else "?", unit)
+        self.shown[name] = (time.monotonic(), 0.0)
+        total = format_amount(progress.total) if progress.total else "?"
+        self.logger.info("%s: started (%s %s)", name, total, progress.unit)
 
-    def update(self, name: str, done: float, total: float | None, unit: str, eta_s: float | None, info: str) -> None:
-        share = 100.0 * done / total if total else 0.0
-        then, last_share = self.last.get(name, (0.0, 0.0))
+    def update(self, progress: Progress, line: str | None) -> None:
+        then, shown = self.shown.get(progress.name, (0.0, 0.0))
         now = time.monotonic()
-        if name in self.artifacts and (share - last_share >= 2.0 or now - then >= 10.0):
-            update_progress_artifact(self.artifacts[name], min(share, 100.0))
-        if share - last_share >= 10.0 or now - then >= 60.0:
-            self.last[name] = (now, share)
-            eta = f", ETA {int(eta_s) // 60}:{int(eta_s) % 60:02d}" if eta_s is not None else ""
-            self.logger.info(
-                "%s: %s/%s %s (%.0f%%)%s%s",
-                name,
-                format_amount(done),
-                format_amount(total) if total else "?",
-                unit,
-                share,
-                eta,
-                f", {info}" if info else "",
-            )
+        if progress.name in self.artifacts and (progress.percent - shown >= 2.0 or now - then >= 10.0):
+            update_progress_artifact(self.artifacts[progress.name], progress.percent)
+            self.shown[progress.name] = (now, progress.percent)
+        if line is not None:
+            self.logger.info("%s", line)
 
-    def end(self, name: str, done: float, total: float | None, unit: str, seconds: float) -> None:
-        if name in self.artifacts:
-            update_progress_artifact(self.artifacts.pop(name), 100.0)
-        self.logger.info("%s: %s %s in %.0f s", name, format_amount(done), unit, seconds)
+    def end(self, progress: Progress, seconds: float) -> None:
+        if progress.name in self.artifacts:
+            update_progress_artifact(self.artifacts.pop(progress.name), 100.0)
+        self.logger.info("%s: %s %s in %.0f s", progress.name, format_amount(progress.done), progress.unit, seconds)
 
 
 @contextmanager

@@ -17,14 +17,14 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, float]] = []
 
-    def begin(self, name, total, unit):
-        self.events.append(("begin", name, total or 0))
+    def begin(self, progress):
+        self.events.append(("begin", progress.name, progress.total or 0))
 
-    def update(self, name, done, total, unit, eta_s, info):
-        self.events.append(("update", name, done))
+    def update(self, progress, line):
+        self.events.append(("update", progress.name, progress.done))
 
-    def end(self, name, done, total, unit, seconds):
-        self.events.append(("end", name, done))
+    def end(self, progress, seconds):
+        self.events.append(("end", progress.name, progress.done))
 
     def stages(self, kind: str) -> list[str]:
         return [name for k, name, _ in self.events if k == kind]
