@@ -96,6 +96,7 @@ class Job:
 
     config: EmbedConfig
     model_dir: Path
+    model_id: str  # ``model_id(model_dir)``: hashed once here, not again by every worker
     units: list[Unit]
     target: Path
     out: Path
@@ -299,7 +300,7 @@ def prepare(config: EmbedConfig) -> Job:
         raise
     if work.is_dir() and not any(work.iterdir()):
         work.rmdir()
-    return Job(config, model_dir, units, target, out, work)
+    return Job(config, model_dir, identity["model_id"], units, target, out, work)
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -325,8 +326,8 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
 class Embedder:
     """Holds the loaded biLM and writes units. Create one per worker process."""
 
-    def __init__(self, config: EmbedConfig, model_dir: Path, show_kernels: bool = False) -> None:
-        self.config, self.show_kernels = config, show_kernels
+    def __init__(self, config: EmbedConfig, model_dir: Path, model_id: str, show_kernels: bool = False) -> None:
+        self.config, self.model_id, self.show_kernels = config, model_id, show_kernels
         self.bilm = BiLM.from_pretrained(str(model_dir), device=pick_device(config.device))
         self.precision = resolve_precision(config.precision, self.bilm.device)
         if show_kernels:
@@ -337,7 +338,6 @@ class Embedder:
                 cpu_capability(),
                 "yes" if cpu_has_native_bf16() else "no",
             )
-        self.model_id = model_id(model_dir)
         n = self.bilm.num_layers
         if config.mix_weights is not None and len(config.mix_weights) != n:
             raise InputError(f"--mix-weights has {len(config.mix_weights)} values; {model_dir} has {n} layers")
@@ -504,7 +504,7 @@ def embed(config: EmbedConfig, show_kernels: bool = False) -> EmbedSummary:
     """
     started = time.perf_counter()
     job = prepare(config)
-    embedder = Embedder(config, job.model_dir, show_kernels)
+    embedder = Embedder(config, job.model_dir, job.model_id, show_kernels)
     results = []
     with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
         for unit in job.units:

@@ -35,6 +35,7 @@ def prepare_embedding(config: EmbedConfig) -> dict[str, Any]:
     job = prepare(config)
     return {
         "model_dir": str(job.model_dir),
+        "model_id": job.model_id,
         "target": str(job.target),
         "work": str(job.work),
         "units": [asdict(u) for u in job.units],
@@ -42,11 +43,11 @@ def prepare_embedding(config: EmbedConfig) -> dict[str, Any]:
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, tags=["elmo-embed-unit"])
-def embed_unit(config: EmbedConfig, model_dir: str, target: str, unit: dict[str, Any]) -> dict[str, Any]:
+def embed_unit(config: EmbedConfig, model_dir: str, model_id: str, target: str, unit: dict[str, Any]) -> dict[str, Any]:
     """One unit in, one Parquet file out (skipped if already written)."""
-    key = config.model_dump_json() + model_dir
+    key = config.model_dump_json() + model_id
     if key not in _EMBEDDERS:
-        _EMBEDDERS[key] = Embedder(config, Path(model_dir))
+        _EMBEDDERS[key] = Embedder(config, Path(model_dir), model_id)
     return {**asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(target))), "pid": os.getpid()}
 
 
@@ -58,6 +59,7 @@ def finish_embedding(
     job = Job(
         config,
         Path(prepared["model_dir"]),
+        prepared["model_id"],
         [Unit(**u) for u in prepared["units"]],
         Path(prepared["target"]),
         Path(config.out),
@@ -99,7 +101,13 @@ def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     prepared = prepare_embedding(config)
     units = prepared["units"]
     get_run_logger().info("%d units to embed with %s", len(units), prepared["model_dir"])
-    futures = embed_unit.map(unmapped(config), unmapped(prepared["model_dir"]), unmapped(prepared["target"]), units)
+    futures = embed_unit.map(
+        unmapped(config),
+        unmapped(prepared["model_dir"]),
+        unmapped(prepared["model_id"]),
+        unmapped(prepared["target"]),
+        units,
+    )
     tokens = {Unit(**u).name: u["tokens"] for u in units}
     with progress_over("embed", sum(tokens.values()), "tokens") as progress:
         for future in as_completed(futures):
