@@ -851,6 +851,13 @@ def init_bilm_tf(model: BiLM) -> None:
                 nn.init.uniform_(lstm.weight_hr_l0, -bound_p, bound_p)
             lstm.bias_ih_l0.zero_()
             lstm.bias_hh_l0.copy_(forget_gate_bias(lstm.hidden_size))
-        if model.softmax is not None:
-            nn.init.normal_(model.softmax.weight, 0.0, 1.0 / math.sqrt(cfg.lstm.projection_dim))
-            model.softmax.bias.zero_()
+    init_softmax(model)
+
+
+def init_softmax(model: BiLM) -> None:
+    """bilm-tf's softmax init, N(0, 1/sqrt(P)) weights and zero bias (also for a new vocabulary when fine-tuning)."""
+    if model.softmax is None:
+        return
+    with torch.no_grad():
+        nn.init.normal_(model.softmax.weight, 0.0, 1.0 / math.sqrt(model.config.lstm.projection_dim))
+        model.softmax.bias.zero_()

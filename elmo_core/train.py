@@ -38,7 +38,7 @@ from elmo_core.chars import INFERENCE_OFFSET
 from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
 from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError, TrainingDivergedError
 from elmo_core.fileio import write_text_atomic
-from elmo_core.model import BiLM, LstmState, init_bilm_tf
+from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
 from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import track
@@ -313,9 +313,7 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
         fresh.load_state_dict(
             {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False
         )
-        with torch.no_grad():
-            nn.init.normal_(fresh.softmax.weight, 0.0, 1.0 / math.sqrt(fresh.config.lstm.projection_dim))
-            fresh.softmax.bias.zero_()
+        init_softmax(fresh)
         bilm = fresh
     bilm.vocab = vocab
     return bilm
