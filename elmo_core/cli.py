@@ -37,6 +37,7 @@ from elmo_core.options import (
     QueryConfig,
     TrainConfig,
     VocabConfig,
+    describe_validation_error,
 )
 from elmo_core.probe import PROBE_COMMANDS
 
@@ -121,14 +122,11 @@ def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            where = ".".join(str(p) for p in error["loc"])
-            flag = _flag(where) if where in model.model_fields else (where or "options")
-            got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
-            problems.append(f"{flag}: {error['msg']}{got}")
+        problems = describe_validation_error(
+            exc, lambda where: _flag(where) if where in model.model_fields else (where or "options")
+        )
         source = f" (with {args.config})" if getattr(args, "config", None) else ""
-        raise ConfigError("; ".join(problems) + source) from None
+        raise ConfigError(problems + source) from None
 
 
 # ----- the commands ---------------------------------------------------------------------------------------
@@ -220,7 +218,7 @@ def cmd_ingest(config: IngestConfig) -> None:
     for error in summary.errors:
         print(f"error: {error}", file=sys.stderr)
     print(summary.line() + f" -> {config.out}")
-    if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
+    if summary.nothing_ingested:
         raise ElmoError(f"no input could be ingested ({summary.files_failed} failed)")
 
 

@@ -122,6 +122,11 @@ class IngestSummary:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def nothing_ingested(self) -> bool:
+        """Every input failed: no dataset to go on with (some failures beside good files are only counted)."""
+        return bool(self.files_failed) and not self.files_ingested and not self.files_skipped
+
     def line(self) -> str:
         mb = self.bytes_read / 1e6
         return (
@@ -697,15 +702,19 @@ def dataset_options(out: str | Path) -> dict | None:
     return json.loads(rows[0][0]) if rows else None
 
 
+def option_changes(stored: dict, config: IngestConfig) -> list[str]:
+    """How ``config`` reads text differently from a dataset's stored options ("tokenizer: 'a' → 'b'", …)."""
+    wanted = config.model_dump(include=set(DATASET_OPTIONS))
+    return [f"{k}: {stored.get(k)!r} → {v!r}" for k, v in wanted.items() if stored.get(k) != v]
+
+
 def _check_options(con: duckdb.DuckDBPyConnection, out: Path, config: IngestConfig) -> None:
     """A dataset grows by new files over many runs, all tokenized and split the same way: refuse other options."""
-    wanted = config.model_dump(include=set(DATASET_OPTIONS))
     row = con.execute(GET_OPTIONS).fetchall()
     if not row:
-        con.execute(SET_OPTIONS, [json.dumps(wanted, sort_keys=True)])
+        con.execute(SET_OPTIONS, [json.dumps(config.model_dump(include=set(DATASET_OPTIONS)), sort_keys=True)])
         return
-    stored = json.loads(row[0][0])
-    changed = [f"{k}: {stored.get(k)!r} → {v!r}" for k, v in wanted.items() if stored.get(k) != v]
+    changed = option_changes(json.loads(row[0][0]), config)
     if changed:
         raise OutputError(
             f"{out}: this dataset was ingested with other options ({'; '.join(changed)}); "

@@ -14,6 +14,7 @@ flags merge as: field defaults < config file < flags. Flows take the option mode
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -41,10 +42,11 @@ def validate(cls: type[Options], data: dict[str, Any], source: str = "options"):
         raise ConfigError(f"{source}: {describe_validation_error(exc)}") from None
 
 
-def describe_validation_error(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = lambda where: where) -> str:
+    """pydantic's errors in one line, each field called ``name(dotted location)`` (the CLI names its flags)."""
     parts = []
     for error in exc.errors():
-        where = ".".join(str(p) for p in error["loc"]) or "value"
+        where = name(".".join(str(p) for p in error["loc"])) or "value"
         got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
         parts.append(f"{where}: {error['msg']}{got}")
     return "; ".join(parts)

@@ -28,10 +28,9 @@ import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.corpus import write_default_corpus
 from elmo_core.errors import InputError
 from elmo_core.fileio import write_text_atomic
-from elmo_core.ingest import dataset_options, find_inputs, ingest
+from elmo_core.ingest import dataset_options, find_inputs, ingest, option_changes
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
-    DATASET_OPTIONS,
     EmbedConfig,
     EmbedOptions,
     IngestConfig,
@@ -158,11 +157,11 @@ def default_corpus(workdir: str) -> list[str]:
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         stored = dataset_options(out)
-        if stored is not None and stored != config.model_dump(include=set(DATASET_OPTIONS)):
+        if stored is not None and option_changes(stored, config):
             get_run_logger().info("%s: ingest options changed; the dataset is made afresh", out)
             shutil.rmtree(out)
         summary = ingest(config)
-        if summary.files_failed and not summary.files_ingested and not summary.files_skipped:
+        if summary.nothing_ingested:
             raise InputError("no input could be ingested: " + "; ".join(summary.errors))
         return {
             "line": summary.line(),
