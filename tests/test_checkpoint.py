@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ import yaml
 
 from elmo_core.checkpoint import digest_path, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
 from elmo_core.errors import CheckpointError
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_elmo
 
 
 def _run(tmp_path: Path, steps=(10, 20, 30)) -> Path:
@@ -113,13 +111,7 @@ def test_train_resume_and_export_survive_a_damaged_newest_checkpoint(tmp_path, b
     def train(name: str, *flags: str) -> subprocess.CompletedProcess:
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({**options, "out": str(tmp_path / name)}))
-        return subprocess.run(
-            [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config), *flags],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        return run_elmo("train", "--config", str(config), *flags, timeout=600)
 
     def losses(name: str) -> dict[int, float]:
         return {
@@ -132,22 +124,7 @@ def test_train_resume_and_export_survive_a_damaged_newest_checkpoint(tmp_path, b
     assert newest.name == "step-000000040.pt"
     _truncate(newest)
 
-    exported = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "export",
-            "--run",
-            str(tmp_path / "run"),
-            "--out",
-            str(tmp_path / "exp"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    exported = run_elmo("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "exp"))
     assert exported.returncode == 0, exported.stderr
     assert (
         exported.stdout.startswith("export: step 30 of ")

@@ -19,6 +19,7 @@ from elmo_core.embed import EmbedConfig, embed
 from elmo_core.errors import ConfigError
 from elmo_core.ingest import IngestConfig, ingest
 from elmo_core.query import EmbeddingStore
+from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = [
@@ -187,24 +188,8 @@ def test_query_nearest_tokens_and_sentences(corpus, tmp_path, allennlp_dir):
 
 def test_query_cli(corpus, tmp_path, allennlp_dir):
     embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "tok")))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "query",
-            str(tmp_path / "tok"),
-            "--token",
-            "Apple",
-            "--sentence",
-            SENTENCES[1],
-            "-k",
-            "3",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_elmo(
+        "query", str(tmp_path / "tok"), "--token", "Apple", "--sentence", SENTENCES[1], "-k", "3", timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"nearest to 'Apple' (token 4) in: {SENTENCES[1]}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import duckdb
@@ -17,8 +16,8 @@ import pytest
 from elmo_core.embed import EmbedConfig, embed, plan_units, work_dir
 from elmo_core.errors import InputError, OutputError
 from elmo_core.ingest import IngestConfig, ingest, shard_paths
+from tests.helpers import run_elmo
 
-ROOT = Path(__file__).resolve().parent.parent
 A = ["the cat sat on the mat .", "a dog ran in the park ."]
 B = ["apples grow on trees .", "the phone rang twice .", "we sat by the river bank ."]
 
@@ -30,12 +29,6 @@ def _tokens(lines: list[str]) -> int:
 def _write(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-def _elmo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
 
 
 def _one_line_error(result: subprocess.CompletedProcess, command: str) -> str:
@@ -116,14 +109,15 @@ def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_
     model = str(allennlp_dir)
     text = _write(tmp_path / "a.txt", A)
     a_file = _write(tmp_path / "not_a_folder", ["x"])
-    line = _one_line_error(_elmo("embed", "--model", model, "--input", str(text), "--out", str(a_file)), "embed")
+    line = _one_line_error(run_elmo("embed", "--model", model, "--input", str(text), "--out", str(a_file)), "embed")
     assert f"{a_file}: is a file; --out takes a folder" in line
 
     (tmp_path / "bin.txt").write_bytes(b"\x00\x01 binary\n")
     ingest(IngestConfig(sources=[str(tmp_path / "bin.txt")], out=str(tmp_path / "rejected")))
     assert not shard_paths(tmp_path / "rejected")
     line = _one_line_error(
-        _elmo("embed", "--model", model, "--input", str(tmp_path / "rejected"), "--out", str(tmp_path / "o1")), "embed"
+        run_elmo("embed", "--model", model, "--input", str(tmp_path / "rejected"), "--out", str(tmp_path / "o1")),
+        "embed",
     )
     assert (
         "an ingested dataset with no shards: every input was rejected" in line
@@ -136,14 +130,14 @@ def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_
     _write(corpus / "part1.txt", A)
     _write(corpus / "README.md", ["# About this corpus"])
     line = _one_line_error(
-        _elmo("embed", "--model", model, "--input", str(corpus), "--out", str(tmp_path / "o2")), "embed"
+        run_elmo("embed", "--model", model, "--input", str(corpus), "--out", str(tmp_path / "o2")), "embed"
     )
     assert "holds files that are not corpus text (README.md)" in line and f"'{corpus}/*.txt'" in line
 
     other = tmp_path / "someone_elses"
     other.mkdir()
     _write(other / "notes.txt", ["keep me"])
-    line = _one_line_error(_elmo("embed", "--model", model, "--input", str(text), "--out", str(other)), "embed")
+    line = _one_line_error(run_elmo("embed", "--model", model, "--input", str(text), "--out", str(other)), "embed")
     assert "holds files that `elmo embed` did not write (notes.txt)" in line
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
@@ -151,11 +145,13 @@ def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_
 def test_the_walkthrough_conflict_from_the_cli(tmp_path, allennlp_dir):
     """elmo embed a.txt into emb, then an ingested b into emb: refused in one line; --overwrite replaces it."""
     model, out = str(allennlp_dir), str(tmp_path / "emb")
-    assert _elmo("embed", "--model", model, "--input", str(_write(tmp_path / "a.txt", A)), "--out", out).returncode == 0
-    assert _elmo("ingest", str(_write(tmp_path / "b.txt", B)), "--out", str(tmp_path / "ing")).returncode == 0
-    line = _one_line_error(_elmo("embed", "--model", model, "--input", str(tmp_path / "ing"), "--out", out), "embed")
+    assert (
+        run_elmo("embed", "--model", model, "--input", str(_write(tmp_path / "a.txt", A)), "--out", out).returncode == 0
+    )
+    assert run_elmo("ingest", str(_write(tmp_path / "b.txt", B)), "--out", str(tmp_path / "ing")).returncode == 0
+    line = _one_line_error(run_elmo("embed", "--model", model, "--input", str(tmp_path / "ing"), "--out", out), "embed")
     assert "holds embeddings of another job" in line and "--overwrite" in line
-    done = _elmo("embed", "--model", model, "--input", str(tmp_path / "ing"), "--out", out, "--overwrite")
+    done = run_elmo("embed", "--model", model, "--input", str(tmp_path / "ing"), "--out", out, "--overwrite")
     assert done.returncode == 0, done.stderr
     count = duckdb.connect().execute("SELECT count(*) FROM read_parquet($p)", {"p": f"{out}/*.parquet"}).fetchone()[0]
     tokens = (

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import elmo_core.precision as precision_module
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.corpus import _prose_paragraphs
 from elmo_core.tokenize import split_sentences, unicode_tokens
+from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,26 +140,17 @@ def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path
 
 
 def test_elmo_embed_precision_bf16_and_the_kernels_it_ran(tmp_path, allennlp_dir):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "-v",
-            "embed",
-            "--model",
-            str(allennlp_dir),
-            "--input",
-            str(ROOT / "data" / "probes" / "apple.txt"),
-            "--out",
-            str(tmp_path / "emb"),
-            "--precision",
-            "bf16",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_elmo(
+        "-v",
+        "embed",
+        "--model",
+        str(allennlp_dir),
+        "--input",
+        str(ROOT / "data" / "probes" / "apple.txt"),
+        "--out",
+        str(tmp_path / "emb"),
+        "--precision",
+        "bf16",
     )
     assert result.returncode == 0, result.stderr
     assert "precision bf16 on cpu: torch CPU kernels" in result.stderr

@@ -4,8 +4,6 @@ layer 0 = most frequent sense, the tagging probe (deterministic), MLflow logging
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ from elmo_core.errors import InputError
 from elmo_core.options import TagConfig, WsdConfig
 from elmo_core.probe import read_sense_examples, read_tagged, run_tag, run_wsd, wsd_scores
 from elmo_core.wordnet import SenseExample, base_forms, read_wordnet
+from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGGING = ROOT / "data" / "probes" / "tagging"
@@ -259,15 +258,9 @@ def test_a_probe_is_an_mlflow_run_with_per_layer_metrics_and_the_chart(bank_sens
     assert {"chart.png", "results.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
-def _elmo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "elmo_core.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_elmo_probe_on_the_command_line(tmp_path, allennlp_dir):
     wordnet = write_wordnet_sample(tmp_path / "wn")
-    done = _elmo(
+    done = run_elmo(
         "probe",
         "wsd",
         "--model",
@@ -282,7 +275,7 @@ def test_elmo_probe_on_the_command_line(tmp_path, allennlp_dir):
     assert done.returncode == 0, done.stderr
     assert "| layer_2 |" in done.stdout and "| most frequent sense |" in done.stdout
     assert json.loads((tmp_path / "out" / "results.json").read_text())["occurrences"] == 9
-    missing = _elmo(
+    missing = run_elmo(
         "probe", "wsd", "--model", str(allennlp_dir), "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o2")
     )
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

@@ -21,6 +21,7 @@ from elmo_core.ingest import IngestConfig, ingest
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.train import TrainConfig, TrainingDivergedError, evaluate, latest_checkpoint, train
 from elmo_core.vocab import VocabConfig, build_vocab
+from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 # bilm-tf's training-test model (fixtures README): chars, tanh, 1 highway, 2x16_8 with skip connections
@@ -379,55 +380,19 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
 def test_perplexity_and_export_commands(fixture_data, tmp_path, bilm_tf_dir):
     run = tmp_path / "run"
     train(TrainConfig(data=str(fixture_data), out=str(run), max_steps=6, checkpoint_every=3, **FIXTURE_OPTIONS))
-    exported = subprocess.run(
-        [sys.executable, "-m", "elmo_core.cli", "export", "--run", str(run), "--out", str(tmp_path / "exp")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    exported = run_elmo("export", "--run", str(run), "--out", str(tmp_path / "exp"))
     assert exported.returncode == 0, exported.stderr
     assert exported.stdout.startswith("export: step 6 of ")
     a, b = BiLM.from_pretrained(str(tmp_path / "exp")), BiLM.from_pretrained(str(run / "model"))
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     (tmp_path / "text.txt").write_text((bilm_tf_dir / "train" / "data.txt").read_text())
     ingest(IngestConfig(sources=[str(tmp_path / "text.txt")], out=str(tmp_path / "ing"), heldout_fraction=1.0))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "perplexity",
-            "--model",
-            str(tmp_path / "exp"),
-            "--corpus",
-            str(tmp_path / "ing"),
-            "--batch-size",
-            "1",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_elmo(
+        "perplexity", "--model", str(tmp_path / "exp"), "--corpus", str(tmp_path / "ing"), "--batch-size", "1"
     )
     assert result.returncode == 0, result.stderr
     value = float(result.stdout.split("perplexity: ")[1].split(" ")[0])
     expected = evaluate(a, fixture_data / "token_ids" / "train", batch_size=1)["perplexity"]
     assert value == pytest.approx(expected, rel=1e-3)
-    missing = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elmo_core.cli",
-            "perplexity",
-            "--model",
-            str(bilm_tf_dir / "model"),
-            "--corpus",
-            str(tmp_path / "ing"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    missing = run_elmo("perplexity", "--model", str(bilm_tf_dir / "model"), "--corpus", str(tmp_path / "ing"))
     assert missing.returncode != 0
