@@ -27,6 +27,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from elmo_core import inference
 from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import WeightFileError
+from elmo_core.packed import PackedWeights, packing_available
 from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
 # (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
@@ -129,12 +131,15 @@ def _at_least_fp32(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
+Derived = TypeVar("Derived")
+
+
 def _stacked(pair: Sequence[nn.LSTM], name: str) -> Tensor:
     return torch.stack([getattr(lstm, name) for lstm in pair])
 
 
-def _cached(pair: Sequence[nn.LSTM], kind: str, make: Callable[[], tuple]) -> tuple:
-    """Derived weights (stacked, cast) kept on the forward module until one of the pair's weights changes."""
+def _cached(pair: Sequence[nn.LSTM], kind: str, make: Callable[[], Derived]) -> Derived:
+    """Derived weights (stacked, cast, packed) kept on the forward module until one of the pair's weights changes."""
     key = tuple((p.data_ptr(), p._version) for lstm in pair for p in lstm.parameters())
     cache = pair[0].__dict__.setdefault("_derived_weights", {})
     if kind not in cache or cache[kind][0] != key:
@@ -151,12 +156,12 @@ class _Cell:
     """
 
     fuses_input = False
+    w_cat_t: Tensor | None = None  # [W_ih; W_hh].T (2, in + P, 4H), for kernels that fuse the input
 
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         self.hidden, self.cell_clip, self.proj_clip = pair[0].hidden_size, cell_clip, proj_clip
         self.projects = pair[0].proj_size > 0
         self.w_ih_t, self.bias, self.w_hh_t, self.w_hr_t = self.weights(pair)
-        self.w_cat_t = torch.cat([self.w_ih_t, self.w_hh_t], dim=1) if self.fuses_input else None
         device = pair[0].weight_ih_l0.device.type
         if not self.fuses_input and torch.is_autocast_enabled(device):
             # autocast caches the casts of parameters only, not of these stacked weights: cast them once per call
@@ -214,11 +219,32 @@ class _Cell:
         return h, c
 
 
+def _packed_step_weights(
+    pair: Sequence[nn.LSTM], kind: str, w_hh_t: Tensor, w_hr_t: Tensor | None
+) -> tuple[PackedWeights | None, PackedWeights | None]:
+    """The recurrent and projection weights packed for oneDNN once per weight version, or (None, None) without it."""
+    if not packing_available():
+        return None, None
+    return _cached(
+        pair,
+        f"{kind}-packed",
+        lambda: (
+            PackedWeights(w_hh_t.transpose(1, 2)),
+            PackedWeights(w_hr_t.transpose(1, 2)) if w_hr_t is not None else None,
+        ),
+    )
+
+
 class _Fp32InferenceCell(_Cell):
-    """Exact fp32 CPU inference: the reference arithmetic, weights stacked and transposed once per weight version.
+    """Exact fp32 CPU inference: the reference arithmetic, weights stacked and transposed once per weight version,
+    and the per-step products on weights packed once for oneDNN (``packed.py``) where this torch has it.
 
     The input gates stay one product over all steps: in fp32 that measured faster than fusing them per step.
     """
+
+    def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
+        super().__init__(pair, cell_clip, proj_clip)
+        self.packed_hh, self.packed_hr = _packed_step_weights(pair, "fp32", self.w_hh_t, self.w_hr_t)
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         return _cached(
@@ -230,11 +256,27 @@ class _Fp32InferenceCell(_Cell):
             ),
         )
 
+    def recurrent(self, gx: Tensor, h: Tensor) -> Tensor:
+        return self.packed_hh(h, add=gx) if self.packed_hh is not None else super().recurrent(gx, h)
+
+    def project(self, m: Tensor) -> Tensor:
+        return self.packed_hr(m) if self.packed_hr is not None else super().project(m)
+
 
 class _Bf16InferenceCell(_Cell):
     """bfloat16 CPU inference: bf16 products with float32 accumulation and cell; one sigmoid for all four gates."""
 
     fuses_input = True
+
+    def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
+        super().__init__(pair, cell_clip, proj_clip)
+        self.w_cat_t = _cached(pair, "bf16-cat", lambda: torch.cat([self.w_ih_t, self.w_hh_t], dim=1))
+        self.packed_hh, self.packed_hr = _packed_step_weights(pair, "bf16", self.w_hh_t, self.w_hr_t)
+        self.packed_cat = (
+            _cached(pair, "bf16-packed-cat", lambda: PackedWeights(self.w_cat_t.transpose(1, 2)))
+            if self.packed_hh is not None
+            else None
+        )
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         def make() -> tuple:
@@ -257,13 +299,19 @@ class _Bf16InferenceCell(_Cell):
         return torch.bmm(x.to(torch.bfloat16), self.w_ih_t).float().add_(self.bias)
 
     def recurrent(self, gx: Tensor, h: Tensor) -> Tensor:
+        if self.packed_hh is not None:
+            return self.packed_hh(h.to(torch.bfloat16), add=gx)
         return torch.bmm(h.to(torch.bfloat16), self.w_hh_t).float().add_(gx)
 
     def recurrent_input(self, x: Tensor, h: Tensor) -> Tensor:
         xh = torch.cat([x.to(torch.bfloat16), h.to(torch.bfloat16)], dim=-1)
+        if self.packed_cat is not None:
+            return self.packed_cat(xh, add=self.bias)
         return torch.bmm(xh, self.w_cat_t).float().add_(self.bias)
 
     def project(self, m: Tensor) -> Tensor:
+        if self.packed_hr is not None:
+            return self.packed_hr(m.to(torch.bfloat16))
         return torch.bmm(m.to(torch.bfloat16), self.w_hr_t) if self.w_hr_t is not None else m
 
     def gates(self, z: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:

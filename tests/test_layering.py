@@ -13,7 +13,8 @@ LAYERS = [
     "errors",
     "fileio",
     "progress",
-    "precision",  # plumbing
+    "precision",
+    "packed",  # plumbing
     "chars",
     "config",
     "tokenize",

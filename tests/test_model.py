@@ -187,6 +187,25 @@ def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model, mon
         assert torch.allclose(x, y, atol=1e-6)
 
 
+def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model, monkeypatch):
+    """The oneDNN-packed per-step products (packed.py) are the same products as bmm, as rows drop out step by step."""
+    import elmo_core.model as model_module
+    from elmo_core.packed import packing_available
+
+    assert packing_available() == torch.backends.mkldnn.is_available()  # never silently off where it can run
+    sentences = [s * 3 for s in SENTENCES]  # 15, 6 and 33 tokens: the active rows shrink twice
+    packed = {p: model.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}
+    monkeypatch.setattr(model_module, "packing_available", lambda: False)
+    for precision, vectors in packed.items():
+        plain = model.embed_sentences(sentences, precision=precision)
+        for x, y in zip(vectors, plain):
+            if precision == "fp32":
+                np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
+            else:
+                cosine = (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1))
+                assert cosine.min() >= 0.9999
+
+
 def test_elmo_lstm_rows_of_length_zero_keep_their_state():
     bilm = _random_model(seed=6)
     lstm = bilm.lstm
