@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torch import Tensor
 
 from elmo_core import BiLM
 from elmo_core.ingest import IngestConfig, ingest
@@ -107,6 +108,42 @@ def test_sparse_softmax_gradients_equal_dense():
         sampled_softmax_loss(hidden, targets, weight, bias, sampled, tries, sampler, sparse=sparse).backward()
         grads.append(weight.grad.to_dense() if weight.grad.is_sparse else weight.grad)
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_blocked_sampled_softmax_gives_the_dense_loss_and_gradients(precision, monkeypatch):
+    """The loss is computed and differentiated in row blocks (never the whole (N, S) logits); across block edges,
+    with accidental hits in several blocks, it equals the dense formula, under bf16 autocast too."""
+    import elmo_core.softmax as softmax_module
+
+    monkeypatch.setattr(softmax_module._SampledLogSumExp, "BLOCK_ROWS", 16)
+    torch.manual_seed(0)
+    n_classes, dim, rows = 40, 8, 53  # 53 rows: three full blocks and a partial one
+    sampler = LogUniformSampler(n_classes, seed=3)
+    sampled, tries = sampler.sample(12)
+    targets = torch.randint(0, n_classes, (rows,))
+    targets[::7] = sampled[0]  # accidental hits spread over the blocks
+    weight0, bias0, hidden0 = torch.randn(n_classes, dim), torch.randn(n_classes), torch.randn(rows, dim)
+
+    def grads(loss_of) -> list[Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (weight0, bias0, hidden0)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_of(*leaves)
+        loss.backward()
+        return [loss.detach()] + [t.grad for t in leaves]
+
+    def dense(weight: Tensor, bias: Tensor, hidden: Tensor) -> Tensor:
+        log_q = lambda ids: torch.log(sampler.expected_count(ids, tries))  # noqa: E731
+        true = (hidden.float() * weight[targets].float()).sum(-1) + bias[targets] - log_q(targets)
+        logits = (hidden @ weight[sampled].t()).float() + bias[sampled] - log_q(sampled)
+        logits = logits.masked_fill(targets[:, None] == sampled[None, :], -1e30)
+        return (torch.logaddexp(true, torch.logsumexp(logits, 1)) - true).mean()
+
+    blocked = grads(lambda w, b, h: sampled_softmax_loss(h, targets, w, b, sampled, tries, sampler))
+    reference = grads(dense)
+    tolerance = 1e-5 if precision == "fp32" else 2e-2
+    for got, want in zip(blocked, reference):
+        assert torch.allclose(got, want, atol=tolerance, rtol=tolerance)
 
 
 def test_log_uniform_sampler_is_unique_and_zipfian():
