@@ -38,7 +38,7 @@ from elmo_core import inference
 from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import WeightFileError
-from elmo_core.packed import PackedWeights, packing_available
+from elmo_core.packed import PackedWeights, worth_packing
 from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
 # (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
@@ -219,20 +219,11 @@ class _Cell:
         return h, c
 
 
-def _packed_step_weights(
-    pair: Sequence[nn.LSTM], kind: str, w_hh_t: Tensor, w_hr_t: Tensor | None
-) -> tuple[PackedWeights | None, PackedWeights | None]:
-    """The recurrent and projection weights packed for oneDNN once per weight version, or (None, None) without it."""
-    if not packing_available():
-        return None, None
-    return _cached(
-        pair,
-        f"{kind}-packed",
-        lambda: (
-            PackedWeights(w_hh_t.transpose(1, 2)),
-            PackedWeights(w_hr_t.transpose(1, 2)) if w_hr_t is not None else None,
-        ),
-    )
+def _packed(pair: Sequence[nn.LSTM], kind: str, w_t: Tensor | None) -> PackedWeights | None:
+    """``w_t`` (D, K, N) packed for oneDNN once per weight version, or None where bmm is as fast (``packed.py``)."""
+    if w_t is None or not worth_packing(w_t):
+        return None
+    return _cached(pair, f"{kind}-packed", lambda: PackedWeights(w_t.transpose(1, 2)))
 
 
 class _Fp32InferenceCell(_Cell):
@@ -244,7 +235,7 @@ class _Fp32InferenceCell(_Cell):
 
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         super().__init__(pair, cell_clip, proj_clip)
-        self.packed_hh, self.packed_hr = _packed_step_weights(pair, "fp32", self.w_hh_t, self.w_hr_t)
+        self.packed_hh, self.packed_hr = _packed(pair, "fp32-hh", self.w_hh_t), _packed(pair, "fp32-hr", self.w_hr_t)
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         return _cached(
@@ -271,12 +262,8 @@ class _Bf16InferenceCell(_Cell):
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         super().__init__(pair, cell_clip, proj_clip)
         self.w_cat_t = _cached(pair, "bf16-cat", lambda: torch.cat([self.w_ih_t, self.w_hh_t], dim=1))
-        self.packed_hh, self.packed_hr = _packed_step_weights(pair, "bf16", self.w_hh_t, self.w_hr_t)
-        self.packed_cat = (
-            _cached(pair, "bf16-packed-cat", lambda: PackedWeights(self.w_cat_t.transpose(1, 2)))
-            if self.packed_hh is not None
-            else None
-        )
+        self.packed_hh, self.packed_hr = _packed(pair, "bf16-hh", self.w_hh_t), _packed(pair, "bf16-hr", self.w_hr_t)
+        self.packed_cat = _packed(pair, "bf16-cat", self.w_cat_t)
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         def make() -> tuple:
