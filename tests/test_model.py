@@ -164,15 +164,16 @@ def test_gradients_flow_in_training_mode():
 
 
 def test_char_cnn_truncation_keeps_the_max_exact():
-    """The CNN stops after the longest word + the widest filter; the full 50 positions give the same values."""
+    """The CNN stops after the longest word + the widest filter; the full 50 positions give the same values (up to
+    float rounding: the reference is plain Conv1d, the model runs a channels-last conv2d)."""
     bilm = _random_model(seed=5)
     cnn = bilm.token_encoder.char_cnn
     ids = batch_to_ids([["a", "bb", "longer-word", "é" * 5, "<S>"]])[0]
     with torch.no_grad():
         fast = cnn(ids)
-        x = cnn.char_embedding(ids).transpose(1, 2)
+        x = cnn.char_embedding(ids).transpose(1, 2)  # all 50 positions, through plain Conv1d
         full = torch.cat([cnn.activation(conv(x).amax(-1)) for conv in cnn.convs], -1)
-    assert torch.equal(fast, full)
+    assert torch.allclose(fast, full, atol=1e-6, rtol=0)
 
 
 def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model, monkeypatch):
