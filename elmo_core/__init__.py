@@ -22,7 +22,8 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     cli       the ``elmo`` command, its flags generated from ``options``
 
 Plumbing below all of them: ``errors`` (one-line user errors), ``fileio`` (atomic writes, digests),
-``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (fp32 or bf16).
+``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (fp32 or bf16), ``packed`` (weights packed
+once for oneDNN's CPU products).
 """
 
 from elmo_core.chars import batch_to_ids
