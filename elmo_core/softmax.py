@@ -132,18 +132,23 @@ class _SampledLogSumExp(torch.autograd.Function):
     logsumexp and its gradient then make about eight passes over them through memory, which measured more than a
     quarter of a bf16 CPU training step. A block's logits stay in cache; recomputing its product in the backward
     costs less than those passes. The products run in ``compute_dtype`` (bf16 under autocast), the rest in float32.
+    A GPU gets one block: its memory is fast, and small blocks would only cost launches and host syncs.
     """
 
     BLOCK_ROWS = 256
 
     @staticmethod
+    def _blocks(h: Tensor) -> list[tuple[int, int]]:
+        size = _SampledLogSumExp.BLOCK_ROWS if h.device.type == "cpu" else max(len(h), 1)
+        return [(start, min(start + size, len(h))) for start in range(0, len(h), size)]
+
+    @staticmethod
     def _logits(h: Tensor, w: Tensor, b: Tensor, hit_rows: Tensor, hit_cols: Tensor, start: int, end: int) -> Tensor:
         logits = torch.mm(h[start:end], w.t()).float().add_(b)
-        inside = (hit_rows >= start) & (hit_rows < end)
-        if bool(inside.any()):
-            logits.index_put_(
-                (hit_rows[inside] - start, hit_cols[inside]), torch.tensor(_NEG, dtype=logits.dtype, device=h.device)
-            )
+        if start > 0 or end < len(h):  # a block of the CPU's: its own hits
+            inside = (hit_rows >= start) & (hit_rows < end)
+            hit_rows, hit_cols = hit_rows[inside] - start, hit_cols[inside]
+        logits.index_put_((hit_rows, hit_cols), torch.tensor(_NEG, dtype=logits.dtype, device=h.device))
         return logits
 
     @staticmethod
@@ -159,8 +164,7 @@ class _SampledLogSumExp(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             h, w, b = hidden.to(compute_dtype), samp_w.to(compute_dtype), samp_bias.float()
             lse = torch.empty(len(h), dtype=torch.float32, device=h.device)
-            for start in range(0, len(h), _SampledLogSumExp.BLOCK_ROWS):
-                end = min(start + _SampledLogSumExp.BLOCK_ROWS, len(h))
+            for start, end in _SampledLogSumExp._blocks(h):
                 lse[start:end] = torch.logsumexp(_SampledLogSumExp._logits(h, w, b, hit_rows, hit_cols, start, end), 1)
         ctx.save_for_backward(h, w, b, hit_rows, hit_cols, lse)
         ctx.dtypes = (hidden.dtype, samp_w.dtype, samp_bias.dtype)
@@ -173,8 +177,7 @@ class _SampledLogSumExp(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device)
         with torch.autocast(h.device.type, enabled=False):
-            for start in range(0, len(h), _SampledLogSumExp.BLOCK_ROWS):
-                end = min(start + _SampledLogSumExp.BLOCK_ROWS, len(h))
+            for start, end in _SampledLogSumExp._blocks(h):
                 logits = _SampledLogSumExp._logits(h, w, b, hit_rows, hit_cols, start, end)
                 # d lse / d logits = softmax; hits at -1e30 get exactly 0
                 grad_logits = logits.sub_(lse[start:end, None]).exp_().mul_(grad_lse[start:end, None].float())
