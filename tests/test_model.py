@@ -208,6 +208,19 @@ def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model, monk
                 assert cosine.min() >= 0.9999
 
 
+def test_token_encoder_bf16_weights_cast_once_give_autocast_s_numbers(model, monkeypatch):
+    import elmo_core.model as model_module
+
+    ids = batch_to_ids(SENTENCES).view(-1, 50)
+    encoder = model.token_encoder
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cached = encoder(ids)
+        assert encoder.highways[0].carry._derived_weights["bf16"][1][0].dtype == torch.bfloat16
+        monkeypatch.setattr(model_module, "CACHE_INFERENCE_WEIGHTS", False)
+        cast_per_call = encoder(ids)
+    assert cached.dtype == torch.bfloat16 and torch.equal(cached, cast_per_call)
+
+
 def test_elmo_lstm_rows_of_length_zero_keep_their_state():
     bilm = _random_model(seed=6)
     lstm = bilm.lstm
