@@ -64,7 +64,9 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
-    """The CPU model, threads, torch's CPU kernel level and whether bf16 runs natively: which kernels ran."""
+    """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively and whether oneDNN's packed
+    products are on: which kernels ran."""
+    from elmo_core.packed import packing_available
     from elmo_core.precision import cpu_capability, cpu_has_native_bf16
 
     cpuinfo = Path("/proc/cpuinfo")
@@ -72,7 +74,8 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
     text = (
         f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
-        f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}"
+        f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}, "
+        f"packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}"
     )
     if torch.device(device).type == "cuda":
         text += f"; GPU {torch.cuda.get_device_name()}"

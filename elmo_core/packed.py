@@ -40,6 +40,15 @@ def packing_available() -> bool:
         return False
 
 
+def describe(lstm_dim: int, projection_dim: int) -> str:
+    """Whether a model's recurrent weights (P x 4H per direction) get packed here, and if not why: for the logs."""
+    if not packing_available():
+        return "no (ELMO_NO_PACKED_WEIGHTS=1 or no oneDNN in this torch)"
+    if projection_dim * 4 * lstm_dim < MIN_ELEMENTS:
+        return f"no (weights under {MIN_ELEMENTS:,} elements: bmm is as fast)"
+    return "yes"
+
+
 def worth_packing(weights: Tensor) -> bool:
     """Whether packing ``weights`` (D, N, K) pays: oneDNN is there and each direction's weight is large."""
     return packing_available() and weights[0].numel() >= MIN_ELEMENTS
