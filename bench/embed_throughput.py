@@ -75,7 +75,7 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
     text = (
         f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
         f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}, "
-        f"packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}"
+        f"inference's packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}"
     )
     if torch.device(device).type == "cuda":
         text += f"; GPU {torch.cuda.get_device_name()}"
