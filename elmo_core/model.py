@@ -61,16 +61,21 @@ def _cached(modules: Sequence[nn.Module], kind: str, make: Callable[[], Derived]
     return cache[kind][1]
 
 
+def _cpu_inference(device: torch.device) -> bool:
+    """Inference on the CPU with derived weights allowed: where the kernels with cached weights run."""
+    return device.type == "cpu" and not torch.is_grad_enabled() and CACHE_INFERENCE_WEIGHTS
+
+
+def _cpu_autocast_bf16() -> bool:
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
 def _inference_params(module: nn.Linear | nn.Conv1d) -> tuple[Tensor, Tensor | None]:
     """(weight, bias) of ``module``; for CPU inference under bf16 autocast, their bf16 casts made once per weight
     version. Autocast would cast the same weights again on every call (about 2.5% of a small-shape bf16 call);
     given bf16 it casts nothing, so the numbers are the same."""
     weight, bias = module.weight, module.bias
-    if not CACHE_INFERENCE_WEIGHTS or weight.device.type != "cpu" or torch.is_grad_enabled():
-        return weight, bias
-    if not torch.is_autocast_enabled("cpu"):
-        return weight, bias
-    if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+    if not (_cpu_inference(weight.device) and _cpu_autocast_bf16()):
         return weight, bias
     return _cached(
         (module,),
@@ -250,14 +255,37 @@ class _Cell:
         return h, c
 
 
-def _packed(pair: Sequence[nn.LSTM], kind: str, w_t: Tensor | None) -> PackedWeights | None:
-    """``w_t`` (D, K, N) packed for oneDNN once per weight version, or None where bmm is as fast (``packed.py``)."""
-    if w_t is None or not worth_packing(w_t):
+def _packed(pair: Sequence[nn.LSTM], kind: str, elements: int, make_w_t: Callable[[], Tensor]) -> PackedWeights | None:
+    """The weight ``make_w_t()`` (D, K, N), ``elements`` = K x N, packed for oneDNN once per weight version, or None
+    where bmm is as fast (``packed.py``). Only the packed copy is kept, not the weight it was made from."""
+    if not worth_packing(elements):
         return None
-    return _cached(pair, f"{kind}-packed", lambda: PackedWeights(w_t.transpose(1, 2)))
+    return _cached(pair, f"{kind}-packed", lambda: PackedWeights(make_w_t().transpose(1, 2)))
 
 
-class _Fp32InferenceCell(_Cell):
+class _InferenceCell(_Cell):
+    """What the CPU inference kernels share: the per-step products on weights packed for oneDNN where that pays
+    (``packed_hh``, ``packed_hr``, ``packed_cat`` for ``[W_ih; W_hh]``; each None where bmm serves), made once per
+    weight version and kept under cache names that start with ``kind``."""
+
+    kind = ""
+
+    def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
+        super().__init__(pair, cell_clip, proj_clip)
+        w_hh_t, w_hr_t = self.w_hh_t, self.w_hr_t
+        self.packed_hh = _packed(pair, f"{self.kind}-hh", w_hh_t[0].numel(), lambda: w_hh_t)
+        self.packed_hr = (
+            _packed(pair, f"{self.kind}-hr", w_hr_t[0].numel(), lambda: w_hr_t) if w_hr_t is not None else None
+        )
+        cat_elements = self.w_ih_t[0].numel() + w_hh_t[0].numel()
+        self.packed_cat = _packed(pair, f"{self.kind}-cat", cat_elements, self._stacked_input_and_recurrent)
+
+    def _stacked_input_and_recurrent(self) -> Tensor:
+        """[W_ih; W_hh].T (2, in + P, 4H): the weight of a step that takes its input with the state."""
+        return torch.cat([self.w_ih_t, self.w_hh_t], dim=1)
+
+
+class _Fp32InferenceCell(_InferenceCell):
     """Exact fp32 CPU inference: the reference arithmetic, weights stacked and transposed once per weight version,
     and the per-step products on weights packed once for oneDNN (``packed.py``) where that pays.
 
@@ -266,19 +294,16 @@ class _Fp32InferenceCell(_Cell):
     8192 tokens of the original shape). With bmm the input gates stay one product over all steps: faster there.
     """
 
+    kind = "fp32"
+
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         super().__init__(pair, cell_clip, proj_clip)
-        self.packed_hh, self.packed_hr = _packed(pair, "fp32-hh", self.w_hh_t), _packed(pair, "fp32-hr", self.w_hr_t)
-        self.packed_cat = None
-        if self.packed_hh is not None:
-            self.w_cat_t = _cached(pair, "fp32-cat", lambda: torch.cat([self.w_ih_t, self.w_hh_t], dim=1))
-            self.packed_cat = _packed(pair, "fp32-cat", self.w_cat_t)
         self.fuses_input = self.packed_cat is not None
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         return _cached(
             pair,
-            "fp32",
+            self.kind,
             lambda: tuple(
                 w.detach().contiguous() if w is not None else None
                 for w in super(_Fp32InferenceCell, self).weights(pair)
@@ -295,16 +320,16 @@ class _Fp32InferenceCell(_Cell):
         return self.packed_hr(m) if self.packed_hr is not None else super().project(m)
 
 
-class _Bf16InferenceCell(_Cell):
+class _Bf16InferenceCell(_InferenceCell):
     """bfloat16 CPU inference: bf16 products with float32 accumulation and cell; one sigmoid for all four gates."""
 
+    kind = "bf16"
     fuses_input = True
 
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         super().__init__(pair, cell_clip, proj_clip)
-        self.w_cat_t = _cached(pair, "bf16-cat", lambda: torch.cat([self.w_ih_t, self.w_hh_t], dim=1))
-        self.packed_hh, self.packed_hr = _packed(pair, "bf16-hh", self.w_hh_t), _packed(pair, "bf16-hr", self.w_hr_t)
-        self.packed_cat = _packed(pair, "bf16-cat", self.w_cat_t)
+        if self.packed_cat is None:  # bmm takes the weight itself
+            self.w_cat_t = _cached(pair, f"{self.kind}-cat", self._stacked_input_and_recurrent)
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         def make() -> tuple:
@@ -321,7 +346,7 @@ class _Bf16InferenceCell(_Cell):
                 w_hr_t.to(torch.bfloat16).contiguous() if w_hr_t is not None else None,
             )
 
-        return _cached(pair, "bf16", make)
+        return _cached(pair, self.kind, make)
 
     def input_gates(self, x: Tensor) -> Tensor:
         return torch.bmm(x.to(torch.bfloat16), self.w_ih_t).float().add_(self.bias)
@@ -354,9 +379,8 @@ class _Bf16InferenceCell(_Cell):
 
 def lstm_cell(pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None, like: Tensor) -> _Cell:
     """The kernel for a run whose inputs look like ``like`` (device, dtype, grad mode, autocast)."""
-    inference_cpu = like.device.type == "cpu" and not torch.is_grad_enabled() and CACHE_INFERENCE_WEIGHTS
-    autocast_bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    if inference_cpu and autocast_bf16:
+    inference_cpu = _cpu_inference(like.device)
+    if inference_cpu and _cpu_autocast_bf16():
         return _Bf16InferenceCell(pair, cell_clip, proj_clip)
     if inference_cpu and like.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
         return _Fp32InferenceCell(pair, cell_clip, proj_clip)

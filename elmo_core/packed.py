@@ -44,14 +44,14 @@ def describe(lstm_dim: int, projection_dim: int) -> str:
     """Whether a model's recurrent weights (P x 4H per direction) get packed here, and if not why: for the logs."""
     if not packing_available():
         return "no (ELMO_NO_PACKED_WEIGHTS=1 or no oneDNN in this torch)"
-    if projection_dim * 4 * lstm_dim < MIN_ELEMENTS:
+    if not worth_packing(projection_dim * 4 * lstm_dim):
         return f"no (weights under {MIN_ELEMENTS:,} elements: bmm is as fast)"
     return "yes"
 
 
-def worth_packing(weights: Tensor) -> bool:
-    """Whether packing ``weights`` (D, N, K) pays: oneDNN is there and each direction's weight is large."""
-    return packing_available() and weights[0].numel() >= MIN_ELEMENTS
+def worth_packing(elements: int) -> bool:
+    """Whether packing a weight of ``elements`` per direction pays: oneDNN is there and the weight is large."""
+    return packing_available() and elements >= MIN_ELEMENTS
 
 
 class PackedWeights:
