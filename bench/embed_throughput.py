@@ -64,8 +64,9 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
-    """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively and whether oneDNN's packed
-    products are on: which kernels ran."""
+    """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively, whether oneDNN's packed
+    products are on and whether the C gate kernel was built: which kernels ran."""
+    from elmo_core.fused_gates import describe as describe_fused_gates
     from elmo_core.packed import packing_available
     from elmo_core.precision import cpu_capability, cpu_has_native_bf16
 
@@ -75,7 +76,8 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
     text = (
         f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
         f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}, "
-        f"inference's packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}"
+        f"inference's packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}, "
+        f"LSTM gates fused in C {describe_fused_gates()}"
     )
     if torch.device(device).type == "cuda":
         text += f"; GPU {torch.cuda.get_device_name()}"

@@ -40,6 +40,7 @@ import torch
 
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.fused_gates import describe as describe_fused_gates
 from elmo_core.inference import StateCarry, TokenCache, length_batches
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM
@@ -332,15 +333,16 @@ class Embedder:
         self.bilm = BiLM.from_pretrained(str(model_dir), device=pick_device(config.device))
         self.precision = resolve_precision(config.precision, self.bilm.device)
         if show_kernels:
-            lstm = self.bilm.config.lstm
+            lstm, on_cpu = self.bilm.config.lstm, self.bilm.device.type == "cpu"
             log.info(
-                "precision %s on %s: torch CPU kernels %s, native bf16 %s, LSTM step weights packed for oneDNN %s; "
-                "oneDNN's log of the first batch follows",
+                "precision %s on %s: torch CPU kernels %s, native bf16 %s, LSTM step weights packed for oneDNN %s, "
+                "LSTM gates fused in C %s; oneDNN's log of the first batch follows",
                 self.precision,
                 self.bilm.device,
                 cpu_capability(),
                 "yes" if cpu_has_native_bf16() else "no",
-                describe_packing(lstm.dim, lstm.projection_dim) if self.bilm.device.type == "cpu" else "no (not a CPU)",
+                describe_packing(lstm.dim, lstm.projection_dim) if on_cpu else "no (not a CPU)",
+                describe_fused_gates() if on_cpu else "no (not a CPU)",
             )
         n = self.bilm.num_layers
         if config.mix_weights is not None and len(config.mix_weights) != n:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from elmo_core import inference
+from elmo_core import fused_gates, inference
 from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import WeightFileError
@@ -171,7 +171,8 @@ class TokenEncoder(nn.Module):
 #   bf16 inference (CPU under precision "bf16"): bfloat16 weights made once, the g-gate rows scaled by 2 so that
 #       one sigmoid serves all four gates (tanh(x) = 2 sigmoid(2x) - 1: PyTorch's sigmoid is ~6x faster than its
 #       tanh on the CPU); accumulation, the cell state and the gate arithmetic stay float32.
-# Both inference kernels run the per-step products on weights packed for oneDNN where that pays (``packed.py``).
+# Both inference kernels run the per-step products on weights packed for oneDNN where that pays (``packed.py``),
+# and, where the C gate kernel could be built (``fused_gates.py``), the gate arithmetic as one C loop per step.
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:
@@ -192,6 +193,7 @@ class _Cell:
     """
 
     fuses_input = False
+    gate_kernel = False  # whether steps run the C gate kernel (``fused_gates.py``); it takes ``GateRows``
     w_cat_t: Tensor | None = None  # [W_ih; W_hh].T (2, in + P, 4H), for kernels that fuse the input
 
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
@@ -279,10 +281,47 @@ class _InferenceCell(_Cell):
         )
         cat_elements = self.w_ih_t[0].numel() + w_hh_t[0].numel()
         self.packed_cat = _packed(pair, f"{self.kind}-cat", cat_elements, self._stacked_input_and_recurrent)
+        self.gate_kernel = fused_gates.available()
 
     def _stacked_input_and_recurrent(self) -> Tensor:
         """[W_ih; W_hh].T (2, in + P, 4H): the weight of a step that takes its input with the state."""
         return torch.cat([self.w_ih_t, self.w_hh_t], dim=1)
+
+    # With the fused gate kernel (``fused_gates.py``) a step is: the bare products, then one C loop that adds the
+    # bias or input gates and computes the cell and its output, then the projection.
+    g_scale = 1.0  # what the g pre-activations are multiplied by (the bf16 weights carry a factor 2)
+    m_dtype = torch.float32  # the cell output's dtype: what the projection takes
+
+    def recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
+        """h @ W_hh.T per direction, without the input gates."""
+        raise NotImplementedError
+
+    def recurrent_input_products(self, x: Tensor, h: Tensor) -> Tensor | list[Tensor]:
+        """[x; h] @ [W_ih; W_hh].T per direction, without the bias."""
+        raise NotImplementedError
+
+    def step(self, gx: Tensor | GateRows, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(gx, GateRows):
+            return self._fused_finish(self.recurrent_products(h), gx.table, c, gx.rows)
+        if self.gate_kernel:
+            return self._fused_finish(self.recurrent_products(h), gx, c)
+        return super().step(gx, h, c)
+
+    def step_input(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        if self.gate_kernel:
+            return self._fused_finish(self.recurrent_input_products(x, h), self.bias, c)
+        return super().step_input(x, h, c)
+
+    def _fused_finish(
+        self, y: Tensor | list[Tensor], add: Tensor, c: Tensor, add_rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        m, c = fused_gates.lstm_gates(
+            y, add, c, add_rows=add_rows, g_scale=self.g_scale, cell_clip=self.cell_clip, m_dtype=self.m_dtype
+        )
+        h = self.project(m)
+        if self.proj_clip is not None:
+            h = h.clamp(-self.proj_clip, self.proj_clip)
+        return h, c
 
 
 class _Fp32InferenceCell(_InferenceCell):
@@ -313,6 +352,12 @@ class _Fp32InferenceCell(_InferenceCell):
     def recurrent(self, gx: Tensor, h: Tensor) -> Tensor:
         return self.packed_hh(h, add=gx) if self.packed_hh is not None else super().recurrent(gx, h)
 
+    def recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
+        return self.packed_hh.products(h) if self.packed_hh is not None else torch.bmm(h, self.w_hh_t)
+
+    def recurrent_input_products(self, x: Tensor, h: Tensor) -> Tensor | list[Tensor]:
+        return self.packed_cat.products(torch.cat([x, h], dim=-1))  # type: ignore[union-attr]
+
     def recurrent_input(self, x: Tensor, h: Tensor) -> Tensor:
         return self.packed_cat(torch.cat([x, h], dim=-1), add=self.bias)  # type: ignore[misc]
 
@@ -326,10 +371,14 @@ class _Bf16InferenceCell(_InferenceCell):
     kind = "bf16"
     fuses_input = True
 
+    g_scale = 0.5  # the g columns of the weights and bias are scaled by 2 (see ``weights``)
+
     def __init__(self, pair: Sequence[nn.LSTM], cell_clip: float | None, proj_clip: float | None) -> None:
         super().__init__(pair, cell_clip, proj_clip)
         if self.packed_cat is None:  # bmm takes the weight itself
             self.w_cat_t = _cached(pair, f"{self.kind}-cat", self._stacked_input_and_recurrent)
+        # the projection's input in bf16 straight from the kernel; without a projection m is h, kept float32
+        self.m_dtype = torch.bfloat16 if self.projects else torch.float32
 
     def weights(self, pair: Sequence[nn.LSTM]) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         def make() -> tuple:
@@ -355,6 +404,14 @@ class _Bf16InferenceCell(_InferenceCell):
         if self.packed_hh is not None:
             return self.packed_hh(h.to(torch.bfloat16), add=gx)
         return torch.bmm(h.to(torch.bfloat16), self.w_hh_t).float().add_(gx)
+
+    def recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
+        h = h.to(torch.bfloat16)
+        return self.packed_hh.products(h) if self.packed_hh is not None else torch.bmm(h, self.w_hh_t)
+
+    def recurrent_input_products(self, x: Tensor, h: Tensor) -> Tensor | list[Tensor]:
+        xh = torch.cat([x.to(torch.bfloat16), h.to(torch.bfloat16)], dim=-1)
+        return self.packed_cat.products(xh) if self.packed_cat is not None else torch.bmm(xh, self.w_cat_t)
 
     def recurrent_input(self, x: Tensor, h: Tensor) -> Tensor:
         xh = torch.cat([x.to(torch.bfloat16), h.to(torch.bfloat16)], dim=-1)
@@ -395,12 +452,21 @@ class WordGates:
     table: Tensor
     rows: Tensor
 
-    def steps(self, batch_sizes: list[int]) -> Iterator[Tensor]:
-        """Each step's (2, rows, 4H) input gates, in order."""
+    def steps(self, batch_sizes: list[int], gather: bool = True) -> Iterator[Tensor | GateRows]:
+        """Each step's (2, rows, 4H) input gates, in order; or, with ``gather=False``, where they are."""
         offset = 0
         for n in batch_sizes:
-            yield self.table.index_select(0, self.rows[:, offset : offset + n].reshape(-1)).view(2, n, -1)
+            rows = self.rows[:, offset : offset + n]
+            yield self.table.index_select(0, rows.reshape(-1)).view(2, n, -1) if gather else GateRows(self.table, rows)
             offset += n
+
+
+@dataclass
+class GateRows:
+    """A step's input gates as rows of a table, for the fused gate kernel, which reads them in place."""
+
+    table: Tensor  # (R, 4H)
+    rows: Tensor  # (2, rows) int64
 
 
 def _clipped_bilstm(
@@ -431,7 +497,10 @@ def _clipped_bilstm(
     else:
         if gates_x is None:  # training: input-to-gates for every step in one product, only h @ W_hh per step
             gates_x = cell.input_gates(x)  # type: ignore[arg-type]
-        sources = gates_x.steps(batch_sizes) if isinstance(gates_x, WordGates) else gates_x.split(batch_sizes, dim=1)
+        if isinstance(gates_x, WordGates):
+            sources = gates_x.steps(batch_sizes, gather=not cell.gate_kernel)
+        else:
+            sources = gates_x.split(batch_sizes, dim=1)
         step = cell.step
     h, c = h0, _at_least_fp32(c0)
     outputs: list[Tensor] = []

@@ -66,13 +66,19 @@ class PackedWeights:
         ]
         self.out_features = weights.shape[1]
 
+    def products(self, x: Tensor) -> list[Tensor]:
+        """x @ W.T per direction, each (rows, N) in x's dtype: what the fused gate kernel takes as it is."""
+        return [
+            torch.ops.mkldnn._linear_pointwise(x[d], packed, None, "none", [], "")
+            for d, packed in enumerate(self.packed)
+        ]
+
     def __call__(self, x: Tensor, add: Tensor | None = None) -> Tensor:
         """x @ W.T per direction, plus ``add`` (D, rows or 1, N) in float32 when given (written in place of a
         separate stack and add)."""
         out_dtype = x.dtype if add is None else torch.promote_types(x.dtype, add.dtype)
         out = torch.empty(len(self.packed), x.shape[1], self.out_features, dtype=out_dtype)
-        for d, packed in enumerate(self.packed):
-            y = torch.ops.mkldnn._linear_pointwise(x[d], packed, None, "none", [], "")
+        for d, y in enumerate(self.products(x)):
             if add is None:
                 out[d] = y
             elif y.dtype == out.dtype:

@@ -14,7 +14,8 @@ LAYERS = [
     "fileio",
     "progress",
     "precision",
-    "packed",  # plumbing
+    "packed",
+    "fused_gates",  # plumbing
     "chars",
     "config",
     "tokenize",

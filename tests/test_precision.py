@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import elmo_core.precision as precision_module
-from elmo_core import BiLM, batch_to_ids
+from elmo_core import BiLM, batch_to_ids, fused_gates
 from elmo_core.corpus import _prose_paragraphs
 from elmo_core.tokenize import split_sentences, unicode_tokens
 from tests.helpers import run_elmo
@@ -155,6 +155,7 @@ def test_elmo_embed_precision_bf16_and_the_kernels_it_ran(tmp_path, allennlp_dir
     assert result.returncode == 0, result.stderr
     assert "precision bf16 on cpu: torch CPU kernels" in result.stderr
     assert "LSTM step weights packed for oneDNN no (weights under" in result.stderr  # the fixture model is tiny
+    assert f"LSTM gates fused in C {fused_gates.describe()}" in result.stderr
     if precision_module.cpu_has_native_bf16():
         assert "avx512_core_bf16" in result.stdout + result.stderr or "bf16" in (result.stdout + result.stderr).lower()
     assert json.loads((tmp_path / "emb" / "_job.json").read_text())["options"]["precision"] == "bf16"

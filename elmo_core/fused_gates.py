@@ -1,0 +1,206 @@
+"""The LSTM cell's gate arithmetic fused into one C loop (``lstm_gates.c``) for CPU inference.
+
+Why: with the products on packed weights (``packed.py``), what was left of a step was PyTorch's separate passes
+over the (2, rows, 4H) pre-activations: the bias or input-gate add, a float32 copy of the bf16 product, sigmoid,
+tanh, slices, products, clamp and casts, about 20% of an original-shape bf16 call. The C loop reads each element
+once and writes the cell state and the cell output (already in the dtype the projection takes).
+
+The source is compiled with the machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this
+CPU (``-march=native``), into ``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a name that hashes the
+source, the flags, the compiler and the CPU; later processes load the built library. Without a C compiler, or with
+``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says which, and why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lstm_gates.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]
+PARALLEL_ELEMENTS = 1 << 15  # below this many cells per step, more threads cost more than they save
+
+
+class _GateRows(ctypes.Structure):
+    """``elmo_gate_rows`` in lstm_gates.c: one direction's pointers."""
+
+    _fields_ = [
+        ("y", ctypes.c_void_p),
+        ("add", ctypes.c_void_p),
+        ("add_rows", ctypes.c_void_p),
+        ("add_stride", ctypes.c_int64),
+        ("c_in", ctypes.c_void_p),
+        ("c_out", ctypes.c_void_p),
+        ("m_out", ctypes.c_void_p),
+    ]
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("ELMO_CACHE_DIR"):
+        return Path(os.environ["ELMO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "elmo-pipeline"
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a shared cache may serve other CPUs)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        return "\n".join(line for line in lines if line.startswith(("model name", "flags", "Features")))[:100_000]
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, flags, compiler and CPU: built once, then reused from the cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    directory = _cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        directory = Path(tempfile.gettempdir()) / "elmo-pipeline"
+        directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"lstm_gates-{key}.so"
+    if library.exists():
+        return library
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, renamed: concurrent builds are safe
+    os.close(fd)
+    try:
+        for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread
+            result = subprocess.run(
+                [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
+            )
+            if result.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    log.info("built the fused LSTM gate kernel: %s", library)
+    return library
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernel, or why there is none (a string)."""
+    if os.environ.get("ELMO_NO_FUSED_GATES") == "1":
+        return "ELMO_NO_FUSED_GATES=1"
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        return "no C compiler found (set CC)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("fused LSTM gate kernel unavailable, using PyTorch ops: %s", exc)
+        return f"build failed: {exc}"
+    lib.elmo_lstm_gates.argtypes = [
+        ctypes.POINTER(_GateRows),
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.elmo_lstm_gates.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """The fused kernel is built and loaded here (built on the first call)."""
+    return not isinstance(_library(), str)
+
+
+def describe() -> str:
+    """'yes', or 'no (why)': for ``elmo -v embed`` and the benches."""
+    library = _library()
+    return f"no ({library})" if isinstance(library, str) else "yes"
+
+
+def _dense(t: Tensor) -> Tensor:
+    """t itself when its rows are packed back to back, as the C loop reads them (a slice of rows usually is)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def lstm_gates(
+    y: Tensor | Sequence[Tensor],
+    add: Tensor,
+    c: Tensor,
+    *,
+    add_rows: Tensor | None = None,
+    g_scale: float = 1.0,
+    cell_clip: float | None = None,
+    m_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """One LSTM step's cell update from its products ``y`` (D, rows, 4H) (or D tensors (rows, 4H)), float32 or
+    bfloat16, gates i, f, g, o.
+
+    The pre-activations are ``y + add`` where ``add`` is (D, 1, 4H) (a bias), (D, rows, 4H), or, with ``add_rows``
+    (D, rows) int64, a table (R, 4H) whose row ``add_rows[d, r]`` goes with row r. ``g_scale`` multiplies the g
+    pre-activations (undoing a scale folded into the weights). ``c`` (D, rows, H) float32 is the cell state.
+
+    Returns (m, c'): the cell output ``sigmoid(z_o) * tanh(c')`` (D, rows, H) in ``m_dtype`` and the clipped new cell
+    state (D, rows, H) float32. The same arithmetic as ``model._Cell.gates``, to a few 1e-7.
+    """
+    library = _library()
+    if isinstance(library, str):
+        raise RuntimeError(f"the fused LSTM gate kernel is not available: {library}")
+    ys = [_dense(t) for t in (y.unbind(0) if isinstance(y, Tensor) else y)]
+    directions, (rows, width), dtype = len(ys), ys[0].shape, ys[0].dtype
+    hidden = width // 4
+    if dtype not in (torch.float32, torch.bfloat16) or m_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"y and m must be float32 or bfloat16, got {dtype} and {m_dtype}")
+    if c.dtype != torch.float32 or c.shape != (directions, rows, hidden):
+        raise ValueError(f"c must be float32 {(directions, rows, hidden)}, got {c.dtype} {tuple(c.shape)}")
+    if add.dtype != torch.float32:
+        raise TypeError(f"add must be float32, got {add.dtype}")
+    if add_rows is not None:
+        if add.dim() != 2 or add.shape[1] != width or add_rows.shape != (directions, rows):
+            raise ValueError(f"add_rows {tuple(add_rows.shape)} needs a (R, {width}) table, got {tuple(add.shape)}")
+        adds, add_stride = [_dense(add)] * directions, 0
+    elif add.shape[0] == directions and add.shape[1] in (1, rows) and add.shape[2] == width:
+        adds, add_stride = [_dense(a) for a in add.unbind(0)], 0 if add.shape[1] == 1 else width
+    else:
+        raise ValueError(f"add {tuple(add.shape)} does not broadcast over y ({directions}, {rows}, {width})")
+    index: list[Tensor | None] = [None] * directions
+    if add_rows is not None:  # the C loop trusts these: out-of-range rows would read outside the table
+        if add_rows.dtype != torch.int64 or (add_rows.numel() and not 0 <= add_rows.min() <= add_rows.max() < len(add)):
+            raise ValueError(f"add_rows must be int64 row numbers of the {len(add)}-row table")
+        index = [_dense(r) for r in add_rows.unbind(0)]
+    cs = [_dense(t) for t in c.unbind(0)]
+    m = torch.empty(directions, rows, hidden, dtype=m_dtype)
+    c_new = torch.empty(directions, rows, hidden)
+    dirs = (_GateRows * directions)()
+    for d in range(directions):
+        dirs[d].y, dirs[d].add, dirs[d].add_stride = ys[d].data_ptr(), adds[d].data_ptr(), add_stride
+        dirs[d].add_rows = index[d].data_ptr() if index[d] is not None else None
+        dirs[d].c_in, dirs[d].c_out, dirs[d].m_out = cs[d].data_ptr(), c_new[d].data_ptr(), m[d].data_ptr()
+    threads = torch.get_num_threads() if rows * hidden >= PARALLEL_ELEMENTS else 1
+    clip = float("inf") if cell_clip is None else float(cell_clip)
+    status = library.elmo_lstm_gates(
+        dirs, directions, rows, hidden, g_scale, clip, int(dtype == torch.bfloat16), int(m_dtype == torch.bfloat16),
+        threads,
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"elmo_lstm_gates returned {status} for {directions} x {rows} rows")
+    return m, c_new

@@ -1,0 +1,152 @@
+"""The C gate kernel (fused_gates.py, lstm_gates.c) against PyTorch's gate arithmetic, alone and inside the model."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from elmo_core import BiLM, fused_gates
+from elmo_core.config import tiny
+from elmo_core.model import init_bilm_tf
+
+HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
+SENTENCES = [["I", "ate", "an", "apple", "."], ["Hi"], ["The", "quick", "brown", "fox", "jumps", "over", "it", "."]]
+
+
+def _random_model(**lstm) -> BiLM:
+    torch.manual_seed(0)
+    config = tiny()
+    config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
+    bilm = BiLM(config)
+    init_bilm_tf(bilm)
+    return bilm.eval()
+
+
+def _reference(z: torch.Tensor, c: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """model._Cell.gates: TensorFlow's LSTMCell with the cell clipped."""
+    h = z.shape[-1] // 4
+    sig = torch.sigmoid(z)
+    c = sig[..., h : 2 * h] * c + sig[..., :h] * torch.tanh(z[..., 2 * h : 3 * h])
+    if clip is not None:
+        c = c.clamp(-clip, clip)
+    return sig[..., 3 * h :] * torch.tanh(c), c
+
+
+@pytest.fixture(autouse=True)
+def _fresh_library():
+    yield
+    fused_gates._library.cache_clear()
+
+
+def test_the_kernel_is_built_wherever_a_c_compiler_is():
+    if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
+        assert fused_gates.available(), fused_gates.describe()  # never silently off
+        assert fused_gates.describe() == "yes"
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("add_kind", ["bias", "per-row", "table"])
+@pytest.mark.parametrize("clip", [None, 3.0])
+def test_kernel_gives_pytorch_s_gates(y_dtype, m_dtype, add_kind, clip):
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    g = torch.Generator().manual_seed(0)
+    rows = 5
+    y = (torch.randn(2, rows, 4 * HIDDEN, generator=g) * 4).to(y_dtype)
+    y[0, 0, :8] = torch.tensor([90.0, -90.0, 1e4, -1e4, 0.0, 1e-30, 20.0, -20.0]).to(y_dtype)  # saturation, tiny
+    c = torch.randn(2, rows, HIDDEN, generator=g) * 3
+    table_rows = None
+    if add_kind == "bias":
+        add = torch.randn(2, 1, 4 * HIDDEN, generator=g)
+        z = y.float() + add
+    elif add_kind == "per-row":
+        add = torch.randn(2, rows, 4 * HIDDEN, generator=g)
+        z = y.float() + add
+    else:
+        add = torch.randn(7, 4 * HIDDEN, generator=g)
+        table_rows = torch.tensor([[6, 0, 3, 3, 1], [2, 5, 4, 0, 6]])
+        z = y.float() + add[table_rows]
+    m, c_new = fused_gates.lstm_gates(y, add, c, add_rows=table_rows, cell_clip=clip, m_dtype=m_dtype)
+    m_ref, c_ref = _reference(z, c, clip)
+    assert m.dtype == m_dtype and c_new.dtype == torch.float32
+    assert torch.isfinite(m.float()).all() and torch.isfinite(c_new).all()
+    torch.testing.assert_close(c_new, c_ref, atol=1e-6, rtol=0)
+    if m_dtype == torch.float32:
+        torch.testing.assert_close(m, m_ref, atol=1e-6, rtol=0)
+    else:  # one rounding to bfloat16, to nearest even
+        assert torch.equal(m, m_ref.to(torch.bfloat16)) or (m.float() - m_ref).abs().max() <= 2**-8
+
+
+def test_g_scale_undoes_weights_scaled_by_two():
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    y, c = torch.randn(2, 3, 4 * HIDDEN), torch.randn(2, 3, HIDDEN)
+    bias = torch.zeros(2, 1, 4 * HIDDEN)
+    scaled = y.clone()
+    scaled[..., 2 * HIDDEN : 3 * HIDDEN] *= 2
+    plain = fused_gates.lstm_gates(y, bias, c)
+    undone = fused_gates.lstm_gates(scaled, bias, c, g_scale=0.5)
+    for a, b in zip(plain, undone):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+
+def test_kernel_refuses_rows_outside_its_table():
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    y, c, table = torch.randn(2, 2, 4 * HIDDEN), torch.randn(2, 2, HIDDEN), torch.randn(3, 4 * HIDDEN)
+    with pytest.raises(ValueError, match="row numbers of the 3-row table"):
+        fused_gates.lstm_gates(y, table, c, add_rows=torch.tensor([[0, 1], [2, 3]]))
+
+
+def test_built_once_into_the_cache_then_loaded(tmp_path, monkeypatch):
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    monkeypatch.setenv("ELMO_CACHE_DIR", str(tmp_path))
+    fused_gates._library.cache_clear()
+    assert fused_gates.available()
+    (built,) = tmp_path.glob("lstm_gates-*.so")
+    stamp = built.stat().st_mtime_ns
+    fused_gates._library.cache_clear()
+    assert fused_gates.available() and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert list(tmp_path.iterdir()) == [built]  # no partial build left behind
+
+
+def test_off_without_a_compiler_or_when_asked_and_the_model_still_runs(monkeypatch):
+    monkeypatch.setattr(fused_gates.shutil, "which", lambda name: None)
+    fused_gates._library.cache_clear()
+    assert fused_gates.describe() == "no (no C compiler found (set CC))"
+    assert _random_model().embed_sentences(SENTENCES, precision="bf16")[0].shape == (3, 5, 32)
+    monkeypatch.setenv("ELMO_NO_FUSED_GATES", "1")
+    fused_gates._library.cache_clear()
+    assert fused_gates.describe() == "no (ELMO_NO_FUSED_GATES=1)"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_with_the_kernel_gives_the_pytorch_numbers(monkeypatch, packed):
+    """Both inference kernels, with the products on bmm and on packed weights, as rows drop out step by step."""
+    import elmo_core.model as model_module
+    import elmo_core.packed as packed_module
+
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    monkeypatch.setattr(packed_module, "MIN_ELEMENTS", 0 if packed else 1 << 62)
+    bilm = _random_model(cell_clip=3.0, proj_clip=3.0)
+    sentences = [s * 3 for s in SENTENCES]
+    calls: list[tuple] = []
+    kernel = fused_gates.lstm_gates
+    monkeypatch.setattr(fused_gates, "lstm_gates", lambda *a, **k: calls.append(a) or kernel(*a, **k))
+    fused = {p: bilm.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}
+    assert len(calls) == 2 * 2 * (24 + 2)  # precisions x layers x steps of the longest sentence: the kernel ran
+    monkeypatch.setattr(model_module.fused_gates, "available", lambda: False)
+    for precision, vectors in fused.items():
+        plain = bilm.embed_sentences(sentences, precision=precision)
+        for x, y in zip(vectors, plain):
+            if precision == "fp32":
+                np.testing.assert_allclose(x, y, atol=2e-6, rtol=0)
+            else:
+                cosine = (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1))
+                assert cosine.min() >= 0.9999
