@@ -23,7 +23,7 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
 
 Plumbing below all of them: ``errors`` (one-line user errors), ``fileio`` (atomic writes, digests),
 ``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (fp32 or bf16), ``packed`` (weights packed
-once for oneDNN's CPU products).
+once for oneDNN's CPU products), ``fused_gates`` (the LSTM gate arithmetic as one C loop, built on first use).
 """
 
 from elmo_core.chars import batch_to_ids

@@ -82,7 +82,9 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, renamed: concurrent builds are safe
     os.close(fd)
     try:
-        for flags in (FLAGS, [f for f in FLAGS if f != "-fopenmp"]):  # a compiler without OpenMP: one thread
+        fallbacks = [FLAGS, [f for f in FLAGS if f != "-fopenmp"]]  # without OpenMP the loop runs on one thread
+        fallbacks.append([f for f in fallbacks[1] if f != "-march=native"])  # a compiler that cannot target "native"
+        for flags in fallbacks:
             result = subprocess.run(
                 [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
             )
@@ -123,7 +125,28 @@ def _library() -> ctypes.CDLL | str:
         ctypes.c_int,
     ]
     lib.elmo_lstm_gates.restype = ctypes.c_int
+    error = _self_check(lib)
+    if error > 1e-5:  # a miscompiled or mismatched library: never run it
+        log.warning("fused LSTM gate kernel failed its self-check (error %.3g); using PyTorch ops", error)
+        return f"self-check failed (error {error:.3g})"
     return lib
+
+
+def _self_check(lib: ctypes.CDLL) -> float:
+    """Largest difference between the kernel and PyTorch's arithmetic on a few rows (float32, one bias row)."""
+    hidden = 20
+    y, bias = torch.linspace(-6, 6, 2 * 4 * hidden).view(2, 4 * hidden), torch.linspace(1, -1, 4 * hidden)
+    c = torch.linspace(-2, 2, 2 * hidden).view(2, hidden)
+    m, c_new = torch.empty(2, hidden), torch.empty(2, hidden)
+    rows = (_GateRows * 1)()
+    rows[0].y, rows[0].add, rows[0].add_rows, rows[0].add_stride = y.data_ptr(), bias.data_ptr(), None, 0
+    rows[0].c_in, rows[0].c_out, rows[0].m_out = c.data_ptr(), c_new.data_ptr(), m.data_ptr()
+    if lib.elmo_lstm_gates(rows, 1, 2, hidden, 1.0, 1.5, 0, 0, 1) != 0:
+        return float("inf")
+    i, f, g, o = (y + bias).chunk(4, dim=-1)
+    c_ref = (torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)).clamp(-1.5, 1.5)
+    m_ref = torch.sigmoid(o) * torch.tanh(c_ref)
+    return float(max((m - m_ref).abs().max(), (c_new - c_ref).abs().max()))
 
 
 def available() -> bool:
