@@ -40,9 +40,10 @@ class _GateRows(ctypes.Structure):
 
     _fields_ = [
         ("y", ctypes.c_void_p),
-        ("add", ctypes.c_void_p),
-        ("add_rows", ctypes.c_void_p),
-        ("add_stride", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("x_rows", ctypes.c_void_p),
+        ("x_stride", ctypes.c_int64),
         ("c_in", ctypes.c_void_p),
         ("c_out", ctypes.c_void_p),
         ("m_out", ctypes.c_void_p),
@@ -123,6 +124,7 @@ def _library() -> ctypes.CDLL | str:
         ctypes.c_int,
         ctypes.c_int,
         ctypes.c_int,
+        ctypes.c_int,
     ]
     lib.elmo_lstm_gates.restype = ctypes.c_int
     error = _self_check(lib)
@@ -133,17 +135,17 @@ def _library() -> ctypes.CDLL | str:
 
 
 def _self_check(lib: ctypes.CDLL) -> float:
-    """Largest difference between the kernel and PyTorch's arithmetic on a few rows (float32, one bias row)."""
+    """Largest difference between the kernel and PyTorch's arithmetic on a few rows (float32)."""
     hidden = 20
     y, bias = torch.linspace(-6, 6, 2 * 4 * hidden).view(2, 4 * hidden), torch.linspace(1, -1, 4 * hidden)
-    c = torch.linspace(-2, 2, 2 * hidden).view(2, hidden)
+    x, c = torch.linspace(2, -3, 4 * hidden), torch.linspace(-2, 2, 2 * hidden).view(2, hidden)
     m, c_new = torch.empty(2, hidden), torch.empty(2, hidden)
     rows = (_GateRows * 1)()
-    rows[0].y, rows[0].add, rows[0].add_rows, rows[0].add_stride = y.data_ptr(), bias.data_ptr(), None, 0
-    rows[0].c_in, rows[0].c_out, rows[0].m_out = c.data_ptr(), c_new.data_ptr(), m.data_ptr()
-    if lib.elmo_lstm_gates(rows, 1, 2, hidden, 1.0, 1.5, 0, 0, 1) != 0:
+    rows[0].y, rows[0].bias, rows[0].x, rows[0].x_rows = y.data_ptr(), bias.data_ptr(), x.data_ptr(), None
+    rows[0].x_stride, rows[0].c_in, rows[0].c_out, rows[0].m_out = 0, c.data_ptr(), c_new.data_ptr(), m.data_ptr()
+    if lib.elmo_lstm_gates(rows, 1, 2, hidden, 1.0, 1.5, 0, 0, 0, 1) != 0:
         return float("inf")
-    i, f, g, o = (y + bias).chunk(4, dim=-1)
+    i, f, g, o = (y + bias + x).chunk(4, dim=-1)
     c_ref = (torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)).clamp(-1.5, 1.5)
     m_ref = torch.sigmoid(o) * torch.tanh(c_ref)
     return float(max((m - m_ref).abs().max(), (c_new - c_ref).abs().max()))
@@ -167,20 +169,21 @@ def _dense(t: Tensor) -> Tensor:
 
 def lstm_gates(
     y: Tensor | Sequence[Tensor],
-    add: Tensor,
     c: Tensor,
+    bias: Tensor,
+    x: Tensor | None = None,
     *,
-    add_rows: Tensor | None = None,
+    x_rows: Tensor | None = None,
     g_scale: float = 1.0,
     cell_clip: float | None = None,
     m_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """One LSTM step's cell update from its products ``y`` (D, rows, 4H) (or D tensors (rows, 4H)), float32 or
-    bfloat16, gates i, f, g, o.
+    """One LSTM step's cell update from its products ``y`` (D, rows, 4H) (or D tensors (rows, 4H)), gates i, f, g, o.
 
-    The pre-activations are ``y + add`` where ``add`` is (D, 1, 4H) (a bias), (D, rows, 4H), or, with ``add_rows``
-    (D, rows) int64, a table (R, 4H) whose row ``add_rows[d, r]`` goes with row r. ``g_scale`` multiplies the g
-    pre-activations (undoing a scale folded into the weights). ``c`` (D, rows, H) float32 is the cell state.
+    The pre-activations are ``y + bias + x``: ``bias`` (D, 1, 4H) float32; ``x`` the input gates, None, (D, rows, 4H),
+    or, with ``x_rows`` (D, rows) int64, a table (R, 4H) whose row ``x_rows[d, r]`` goes with row r. ``y`` and ``x``
+    may be float32 or bfloat16. ``g_scale`` multiplies the g pre-activations (undoing a scale folded into the
+    weights). ``c`` (D, rows, H) float32 is the cell state.
 
     Returns (m, c'): the cell output ``sigmoid(z_o) * tanh(c')`` (D, rows, H) in ``m_dtype`` and the clipped new cell
     state (D, rows, H) float32. The same arithmetic as ``model._Cell.gates``, to a few 1e-7.
@@ -189,41 +192,49 @@ def lstm_gates(
     if isinstance(library, str):
         raise RuntimeError(f"the fused LSTM gate kernel is not available: {library}")
     ys = [_dense(t) for t in (y.unbind(0) if isinstance(y, Tensor) else y)]
-    directions, (rows, width), dtype = len(ys), ys[0].shape, ys[0].dtype
+    directions, (rows, width) = len(ys), ys[0].shape
     hidden = width // 4
-    if dtype not in (torch.float32, torch.bfloat16) or m_dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"y and m must be float32 or bfloat16, got {dtype} and {m_dtype}")
+    if width % 4 or any(t.shape != ys[0].shape or t.dtype != ys[0].dtype for t in ys):  # the C loop trusts shapes
+        raise ValueError(f"y must be {directions} alike (rows, 4H) products, got {[tuple(t.shape) for t in ys]}")
+    halves = (torch.float32, torch.bfloat16)
+    if ys[0].dtype not in halves or m_dtype not in halves or (x is not None and x.dtype not in halves):
+        raise TypeError(f"y, x, m must be float32 or bfloat16: {ys[0].dtype}, {getattr(x, 'dtype', None)}, {m_dtype}")
     if c.dtype != torch.float32 or c.shape != (directions, rows, hidden):
         raise ValueError(f"c must be float32 {(directions, rows, hidden)}, got {c.dtype} {tuple(c.shape)}")
-    if add.dtype != torch.float32:
-        raise TypeError(f"add must be float32, got {add.dtype}")
-    if add_rows is not None:
-        if add.dim() != 2 or add.shape[1] != width or add_rows.shape != (directions, rows):
-            raise ValueError(f"add_rows {tuple(add_rows.shape)} needs a (R, {width}) table, got {tuple(add.shape)}")
-        adds, add_stride = [_dense(add)] * directions, 0
-    elif add.shape[0] == directions and add.shape[1] in (1, rows) and add.shape[2] == width:
-        adds, add_stride = [_dense(a) for a in add.unbind(0)], 0 if add.shape[1] == 1 else width
+    if bias.dtype != torch.float32 or bias.shape != (directions, 1, width):
+        raise ValueError(f"bias must be float32 {(directions, 1, width)}, got {bias.dtype} {tuple(bias.shape)}")
+    x_stride, indices = 0, [None] * directions
+    if x is None:
+        xs = [_zeros(width)] * directions
+    elif x_rows is not None:
+        if x.dim() != 2 or x.shape[1] != width or x_rows.shape != (directions, rows) or x_rows.dtype != torch.int64:
+            raise ValueError(f"x_rows {tuple(x_rows.shape)} needs a (R, {width}) table, got {tuple(x.shape)}")
+        if x_rows.numel() and not 0 <= x_rows.min() <= x_rows.max() < len(x):  # the C loop trusts them
+            raise ValueError(f"x_rows must be row numbers of the {len(x)}-row table")
+        xs, indices = [_dense(x)] * directions, [_dense(r) for r in x_rows.unbind(0)]
+    elif x.shape == (directions, rows, width):
+        xs, x_stride = [_dense(t) for t in x.unbind(0)], 1
     else:
-        raise ValueError(f"add {tuple(add.shape)} does not broadcast over y ({directions}, {rows}, {width})")
-    index: list[Tensor | None] = [None] * directions
-    if add_rows is not None:  # the C loop trusts these: out-of-range rows would read outside the table
-        if add_rows.dtype != torch.int64 or (add_rows.numel() and not 0 <= add_rows.min() <= add_rows.max() < len(add)):
-            raise ValueError(f"add_rows must be int64 row numbers of the {len(add)}-row table")
-        index = [_dense(r) for r in add_rows.unbind(0)]
+        raise ValueError(f"x {tuple(x.shape)} does not match y ({directions}, {rows}, {width})")
     cs = [_dense(t) for t in c.unbind(0)]
     m = torch.empty(directions, rows, hidden, dtype=m_dtype)
     c_new = torch.empty(directions, rows, hidden)
     dirs = (_GateRows * directions)()
     for d in range(directions):
-        dirs[d].y, dirs[d].add, dirs[d].add_stride = ys[d].data_ptr(), adds[d].data_ptr(), add_stride
-        dirs[d].add_rows = index[d].data_ptr() if index[d] is not None else None
+        dirs[d].y, dirs[d].bias, dirs[d].x = ys[d].data_ptr(), _dense(bias[d]).data_ptr(), xs[d].data_ptr()
+        dirs[d].x_rows = indices[d].data_ptr() if indices[d] is not None else None
+        dirs[d].x_stride = x_stride
         dirs[d].c_in, dirs[d].c_out, dirs[d].m_out = cs[d].data_ptr(), c_new[d].data_ptr(), m[d].data_ptr()
     threads = torch.get_num_threads() if rows * hidden >= PARALLEL_ELEMENTS else 1
     clip = float("inf") if cell_clip is None else float(cell_clip)
-    status = library.elmo_lstm_gates(
-        dirs, directions, rows, hidden, g_scale, clip, int(dtype == torch.bfloat16), int(m_dtype == torch.bfloat16),
-        threads,
-    )  # fmt: skip
+    bf16 = [int(t.dtype == torch.bfloat16) for t in (ys[0], xs[0])] + [int(m_dtype == torch.bfloat16)]
+    status = library.elmo_lstm_gates(dirs, directions, rows, hidden, g_scale, clip, *bf16, threads)
     if status != 0:
         raise RuntimeError(f"elmo_lstm_gates returned {status} for {directions} x {rows} rows")
     return m, c_new
+
+
+@lru_cache(maxsize=8)
+def _zeros(width: int) -> Tensor:
+    """A row of zeros: the input gates of a step that has none apart from its products."""
+    return torch.zeros(width)

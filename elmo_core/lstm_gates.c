@@ -55,69 +55,74 @@ static inline float tanh_f32(float x) {
     return x < 0.0f ? -t : t;
 }
 
-/* One direction's rows. add row r is add + add_rows[r] * 4H when add_rows is given (gathered input gates),
- * else add + r * add_stride (add_stride 0: one bias row for all). */
+/* One direction's rows. The pre-activations of row r are y[r] + bias + x[xr] with xr = x_rows[r] when x_rows is
+ * given (input gates gathered from a per-word table), else xr = r * x_stride (x_stride 1: a row each, 0: one row
+ * for all). */
 typedef struct {
-    const void *y;            /* (rows, 4H) float32 or bfloat16 */
-    const float *add;
-    const int64_t *add_rows;  /* (rows,) or NULL */
-    int64_t add_stride;
+    const void *y;            /* (rows, 4H) float32 or bfloat16: the step's products */
+    const float *bias;        /* (4H,) */
+    const void *x;            /* (R, 4H) float32 or bfloat16: input gates */
+    const int64_t *x_rows;    /* (rows,) or NULL */
+    int64_t x_stride;
     const float *c_in;        /* (rows, H) */
     float *c_out;             /* (rows, H), not c_in */
     void *m_out;              /* (rows, H) float32 or bfloat16 */
 } elmo_gate_rows;
 
-/* One row, for y of type Y_TYPE and m of type M_TYPE: one function per pair of types, with restrict pointer
- * parameters, so that the compiler vectorises the loop over the row's cells. */
-#define DEFINE_GATES(NAME, Y_TYPE, LOAD_Y, M_TYPE, STORE_M)                                                   \
-    static void NAME(const Y_TYPE *restrict y, const float *restrict a, const float *restrict cin,           \
-                     float *restrict cout, M_TYPE *restrict m, int64_t hidden, float g_scale, float clip) {   \
+/* One row, for y, x and m of the given types: one function per combination, with restrict pointer parameters, so
+ * that the compiler vectorises the loop over the row's cells. */
+#define DEFINE_GATES(NAME, Y_TYPE, LOAD_Y, X_TYPE, LOAD_X, M_TYPE, STORE_M)                                   \
+    static inline void NAME##_typed(const Y_TYPE *restrict y, const float *restrict b, const X_TYPE *restrict x, \
+                                    const float *restrict cin, float *restrict cout, M_TYPE *restrict m,         \
+                                    int64_t hidden, float g_scale, float clip) {                                 \
         for (int64_t j = 0; j < hidden; j++) {                                                               \
-            float zi = LOAD_Y(y[j]) + a[j];                                                                  \
-            float zf = LOAD_Y(y[hidden + j]) + a[hidden + j];                                                \
-            float zg = (LOAD_Y(y[2 * hidden + j]) + a[2 * hidden + j]) * g_scale;                            \
-            float zo = LOAD_Y(y[3 * hidden + j]) + a[3 * hidden + j];                                        \
+            float zi = LOAD_Y(y[j]) + b[j] + LOAD_X(x[j]);                                                   \
+            float zf = LOAD_Y(y[hidden + j]) + b[hidden + j] + LOAD_X(x[hidden + j]);                        \
+            float zg = (LOAD_Y(y[2 * hidden + j]) + b[2 * hidden + j] + LOAD_X(x[2 * hidden + j])) * g_scale; \
+            float zo = LOAD_Y(y[3 * hidden + j]) + b[3 * hidden + j] + LOAD_X(x[3 * hidden + j]);            \
             float c = sigmoid_f32(zf) * cin[j] + sigmoid_f32(zi) * tanh_f32(zg);                             \
             c = c < -clip ? -clip : (c > clip ? clip : c);                                                   \
             cout[j] = c;                                                                                     \
             m[j] = STORE_M(sigmoid_f32(zo) * tanh_f32(c));                                                   \
         }                                                                                                    \
+    }                                                                                                        \
+    static void NAME(const void *y, const float *b, const void *x, const float *cin, float *cout, void *m,      \
+                     int64_t hidden, float g_scale, float clip) {                                            \
+        NAME##_typed(y, b, x, cin, cout, m, hidden, g_scale, clip);                                          \
     }
 
 #define AS_IS(v) (v)
-DEFINE_GATES(row_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, f32_to_bf16)
-DEFINE_GATES(row_bf16_f32, uint16_t, bf16_to_f32, float, AS_IS)
-DEFINE_GATES(row_f32_bf16, float, AS_IS, uint16_t, f32_to_bf16)
-DEFINE_GATES(row_f32_f32, float, AS_IS, float, AS_IS)
+#define BF16 uint16_t
+DEFINE_GATES(row_fff, float, AS_IS, float, AS_IS, float, AS_IS)
+DEFINE_GATES(row_ffb, float, AS_IS, float, AS_IS, BF16, f32_to_bf16)
+DEFINE_GATES(row_fbf, float, AS_IS, BF16, bf16_to_f32, float, AS_IS)
+DEFINE_GATES(row_fbb, float, AS_IS, BF16, bf16_to_f32, BF16, f32_to_bf16)
+DEFINE_GATES(row_bff, BF16, bf16_to_f32, float, AS_IS, float, AS_IS)
+DEFINE_GATES(row_bfb, BF16, bf16_to_f32, float, AS_IS, BF16, f32_to_bf16)
+DEFINE_GATES(row_bbf, BF16, bf16_to_f32, BF16, bf16_to_f32, float, AS_IS)
+DEFINE_GATES(row_bbb, BF16, bf16_to_f32, BF16, bf16_to_f32, BF16, f32_to_bf16)
+
+typedef void (*row_fn)(const void *, const float *, const void *, const float *, float *, void *, int64_t, float,
+                       float);
 
 /* Every row of every direction (n_dirs <= 2) of one step, over up to `threads` OpenMP threads. Built against the
- * OpenMP runtime PyTorch has loaded, the threads are PyTorch's own: no second pool competing for the cores. */
+ * OpenMP runtime PyTorch has loaded, the threads are PyTorch's own: no second pool competing for the cores.
+ * y_bf16, x_bf16, m_bf16: whether y, x and m hold bfloat16 (else float32). */
 int elmo_lstm_gates(const elmo_gate_rows *dirs, int n_dirs, int64_t rows, int64_t hidden, float g_scale, float clip,
-                    int y_bf16, int m_bf16, int threads) {
+                    int y_bf16, int x_bf16, int m_bf16, int threads) {
+    static const row_fn rows_of[8] = {row_fff, row_ffb, row_fbf, row_fbb, row_bff, row_bfb, row_bbf, row_bbb};
     if (n_dirs < 1 || n_dirs > 2) return 1;
+    const row_fn row = rows_of[(y_bf16 ? 4 : 0) + (x_bf16 ? 2 : 0) + (m_bf16 ? 1 : 0)];
+    const int64_t y_size = y_bf16 ? 2 : 4, x_size = x_bf16 ? 2 : 4, m_size = m_bf16 ? 2 : 4;
     const int64_t total = n_dirs * rows;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t k = 0; k < total; k++) {
         const elmo_gate_rows *d = &dirs[k / rows];
         const int64_t r = k % rows;
-        const float *a = d->add + (d->add_rows ? d->add_rows[r] * 4 * hidden : r * d->add_stride);
-        const float *cin = d->c_in + r * hidden;
-        float *cout = d->c_out + r * hidden;
-        if (y_bf16) {
-            const uint16_t *y = (const uint16_t *)d->y + r * 4 * hidden;
-            if (m_bf16) {
-                row_bf16_bf16(y, a, cin, cout, (uint16_t *)d->m_out + r * hidden, hidden, g_scale, clip);
-            } else {
-                row_bf16_f32(y, a, cin, cout, (float *)d->m_out + r * hidden, hidden, g_scale, clip);
-            }
-        } else {
-            const float *y = (const float *)d->y + r * 4 * hidden;
-            if (m_bf16) {
-                row_f32_bf16(y, a, cin, cout, (uint16_t *)d->m_out + r * hidden, hidden, g_scale, clip);
-            } else {
-                row_f32_f32(y, a, cin, cout, (float *)d->m_out + r * hidden, hidden, g_scale, clip);
-            }
-        }
+        const int64_t xr = d->x_rows ? d->x_rows[r] : r * d->x_stride;
+        row((const char *)d->y + r * 4 * hidden * y_size, d->bias, (const char *)d->x + xr * 4 * hidden * x_size,
+            d->c_in + r * hidden, d->c_out + r * hidden, (char *)d->m_out + r * hidden * m_size, hidden, g_scale,
+            clip);
     }
     return 0;
 }

@@ -223,6 +223,11 @@ class _Cell:
         """x (2, N, in) ─► (2, N, 4H)."""
         return torch.baddbmm(self.bias, x, self.w_ih_t)
 
+    def word_gates(self, table: Tensor, rows: Tensor) -> WordGates:
+        """Layer 0's input gates once per row of ``table`` (U, in) (each distinct word), both directions' in one
+        table (2U, 4H); ``rows`` (2, N) says which table row each packed position takes."""
+        return WordGates(self.input_gates(table.expand(2, *table.shape)).reshape(2 * table.shape[0], -1), rows)
+
     def recurrent(self, gx: Tensor, h: Tensor) -> Tensor:
         return torch.baddbmm(gx, h, self.w_hh_t)
 
@@ -300,23 +305,34 @@ class _InferenceCell(_Cell):
         """[x; h] @ [W_ih; W_hh].T per direction, without the bias."""
         raise NotImplementedError
 
+    def input_products(self, x: Tensor) -> Tensor:
+        """x (2, N, in) @ W_ih.T ─► (2, N, 4H), without the bias, in the dtype of the cell's products."""
+        raise NotImplementedError
+
+    def word_gates(self, table: Tensor, rows: Tensor) -> WordGates:
+        if not self.gate_kernel:
+            return super().word_gates(table, rows)
+        # the kernel adds the bias itself, so the table stays as the products come (bf16: half the memory)
+        products = self.input_products(table.expand(2, *table.shape))
+        return WordGates(products.reshape(2 * table.shape[0], -1), rows, bias=self.bias)
+
     def step(self, gx: Tensor | GateRows, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         if isinstance(gx, GateRows):
-            return self._fused_finish(self.recurrent_products(h), gx.table, c, gx.rows)
-        if self.gate_kernel:
-            return self._fused_finish(self.recurrent_products(h), gx, c)
+            return self._fused_finish(self.recurrent_products(h), c, gx.bias, gx.table, gx.rows)
+        if self.gate_kernel:  # gx (2, rows, 4H) already holds the bias
+            return self._fused_finish(self.recurrent_products(h), c, torch.zeros_like(self.bias), gx)
         return super().step(gx, h, c)
 
     def step_input(self, x: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         if self.gate_kernel:
-            return self._fused_finish(self.recurrent_input_products(x, h), self.bias, c)
+            return self._fused_finish(self.recurrent_input_products(x, h), c, self.bias)
         return super().step_input(x, h, c)
 
     def _fused_finish(
-        self, y: Tensor | list[Tensor], add: Tensor, c: Tensor, add_rows: Tensor | None = None
+        self, y: Tensor | list[Tensor], c: Tensor, bias: Tensor, x: Tensor | None = None, x_rows: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         m, c = fused_gates.lstm_gates(
-            y, add, c, add_rows=add_rows, g_scale=self.g_scale, cell_clip=self.cell_clip, m_dtype=self.m_dtype
+            y, c, bias, x, x_rows=x_rows, g_scale=self.g_scale, cell_clip=self.cell_clip, m_dtype=self.m_dtype
         )
         h = self.project(m)
         if self.proj_clip is not None:
@@ -351,6 +367,9 @@ class _Fp32InferenceCell(_InferenceCell):
 
     def recurrent(self, gx: Tensor, h: Tensor) -> Tensor:
         return self.packed_hh(h, add=gx) if self.packed_hh is not None else super().recurrent(gx, h)
+
+    def input_products(self, x: Tensor) -> Tensor:
+        return torch.bmm(x, self.w_ih_t)
 
     def recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
         return self.packed_hh.products(h) if self.packed_hh is not None else torch.bmm(h, self.w_hh_t)
@@ -405,6 +424,9 @@ class _Bf16InferenceCell(_InferenceCell):
             return self.packed_hh(h.to(torch.bfloat16), add=gx)
         return torch.bmm(h.to(torch.bfloat16), self.w_hh_t).float().add_(gx)
 
+    def input_products(self, x: Tensor) -> Tensor:
+        return torch.bmm(x.to(torch.bfloat16), self.w_ih_t)
+
     def recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
         h = h.to(torch.bfloat16)
         return self.packed_hh.products(h) if self.packed_hh is not None else torch.bmm(h, self.w_hh_t)
@@ -451,13 +473,19 @@ class WordGates:
 
     table: Tensor
     rows: Tensor
+    bias: Tensor | None = None  # (2, 1, 4H) when the table leaves the bias out (for the gate kernel, which adds it)
 
     def steps(self, batch_sizes: list[int], gather: bool = True) -> Iterator[Tensor | GateRows]:
         """Each step's (2, rows, 4H) input gates, in order; or, with ``gather=False``, where they are."""
         offset = 0
         for n in batch_sizes:
             rows = self.rows[:, offset : offset + n]
-            yield self.table.index_select(0, rows.reshape(-1)).view(2, n, -1) if gather else GateRows(self.table, rows)
+            if not gather:
+                yield GateRows(self.table, rows, self.bias if self.bias is not None else _zero_bias(self.table))
+            elif self.bias is None:
+                yield self.table.index_select(0, rows.reshape(-1)).view(2, n, -1)
+            else:
+                yield self.table.index_select(0, rows.reshape(-1)).view(2, n, -1).float() + self.bias
             offset += n
 
 
@@ -467,6 +495,11 @@ class GateRows:
 
     table: Tensor  # (R, 4H)
     rows: Tensor  # (2, rows) int64
+    bias: Tensor  # (2, 1, 4H) float32, added to the table's rows
+
+
+def _zero_bias(table: Tensor) -> Tensor:
+    return torch.zeros(2, 1, table.shape[1])
 
 
 def _clipped_bilstm(
@@ -844,9 +877,8 @@ class BiLM(nn.Module):
         else:
             cfg = self.config.lstm
             first = (self.lstm.forward_layers[0], self.lstm.backward_layers[0])
-            per_word = lstm_cell(first, cfg.cell_clip, cfg.proj_clip, table).input_gates(table.expand(2, *table.shape))
-            words = table.shape[0]
-            xs, gates0 = [None, None], WordGates(per_word.reshape(2 * words, -1), torch.stack([ids[0], ids[1] + words]))
+            cell = lstm_cell(first, cfg.cell_clip, cfg.proj_clip, table)
+            xs, gates0 = [None, None], cell.word_gates(table, torch.stack([ids[0], ids[1] + table.shape[0]]))
         outputs, (h, c) = self.lstm.run_packed(xs, packing.batch_sizes, sorted_state, gates0=gates0)
         return packing, outputs, (h[:, :, rank], c[:, :, rank])
 

@@ -48,10 +48,10 @@ def test_the_kernel_is_built_wherever_a_c_compiler_is():
 
 
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_kind", ["none", "per-row", "table", "bf16 table"])
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("add_kind", ["bias", "per-row", "table"])
 @pytest.mark.parametrize("clip", [None, 3.0])
-def test_kernel_gives_pytorch_s_gates(y_dtype, m_dtype, add_kind, clip):
+def test_kernel_gives_pytorch_s_gates(y_dtype, x_kind, m_dtype, clip):
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())
     g = torch.Generator().manual_seed(0)
@@ -59,18 +59,16 @@ def test_kernel_gives_pytorch_s_gates(y_dtype, m_dtype, add_kind, clip):
     y = (torch.randn(2, rows, 4 * HIDDEN, generator=g) * 4).to(y_dtype)
     y[0, 0, :8] = torch.tensor([90.0, -90.0, 1e4, -1e4, 0.0, 1e-30, 20.0, -20.0]).to(y_dtype)  # saturation, tiny
     c = torch.randn(2, rows, HIDDEN, generator=g) * 3
-    table_rows = None
-    if add_kind == "bias":
-        add = torch.randn(2, 1, 4 * HIDDEN, generator=g)
-        z = y.float() + add
-    elif add_kind == "per-row":
-        add = torch.randn(2, rows, 4 * HIDDEN, generator=g)
-        z = y.float() + add
-    else:
-        add = torch.randn(7, 4 * HIDDEN, generator=g)
-        table_rows = torch.tensor([[6, 0, 3, 3, 1], [2, 5, 4, 0, 6]])
-        z = y.float() + add[table_rows]
-    m, c_new = fused_gates.lstm_gates(y, add, c, add_rows=table_rows, cell_clip=clip, m_dtype=m_dtype)
+    bias = torch.randn(2, 1, 4 * HIDDEN, generator=g)
+    x, x_rows, z = None, None, y.float() + bias
+    if x_kind == "per-row":
+        x = torch.randn(2, rows, 4 * HIDDEN, generator=g)
+        z = z + x
+    elif x_kind.endswith("table"):
+        x = torch.randn(7, 4 * HIDDEN, generator=g).to(torch.bfloat16 if x_kind == "bf16 table" else torch.float32)
+        x_rows = torch.tensor([[6, 0, 3, 3, 1], [2, 5, 4, 0, 6]])
+        z = z + x.float()[x_rows]
+    m, c_new = fused_gates.lstm_gates(y, c, bias, x, x_rows=x_rows, cell_clip=clip, m_dtype=m_dtype)
     m_ref, c_ref = _reference(z, c, clip)
     assert m.dtype == m_dtype and c_new.dtype == torch.float32
     assert torch.isfinite(m.float()).all() and torch.isfinite(c_new).all()
@@ -78,7 +76,7 @@ def test_kernel_gives_pytorch_s_gates(y_dtype, m_dtype, add_kind, clip):
     if m_dtype == torch.float32:
         torch.testing.assert_close(m, m_ref, atol=1e-6, rtol=0)
     else:  # one rounding to bfloat16, to nearest even
-        assert torch.equal(m, m_ref.to(torch.bfloat16)) or (m.float() - m_ref).abs().max() <= 2**-8
+        assert (m.float() - m_ref).abs().max() <= 2**-9
 
 
 def test_g_scale_undoes_weights_scaled_by_two():
@@ -88,8 +86,8 @@ def test_g_scale_undoes_weights_scaled_by_two():
     bias = torch.zeros(2, 1, 4 * HIDDEN)
     scaled = y.clone()
     scaled[..., 2 * HIDDEN : 3 * HIDDEN] *= 2
-    plain = fused_gates.lstm_gates(y, bias, c)
-    undone = fused_gates.lstm_gates(scaled, bias, c, g_scale=0.5)
+    plain = fused_gates.lstm_gates(y, c, bias)
+    undone = fused_gates.lstm_gates(scaled, c, bias, g_scale=0.5)
     for a, b in zip(plain, undone):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
 
@@ -99,7 +97,7 @@ def test_kernel_refuses_rows_outside_its_table():
         pytest.skip(fused_gates.describe())
     y, c, table = torch.randn(2, 2, 4 * HIDDEN), torch.randn(2, 2, HIDDEN), torch.randn(3, 4 * HIDDEN)
     with pytest.raises(ValueError, match="row numbers of the 3-row table"):
-        fused_gates.lstm_gates(y, table, c, add_rows=torch.tensor([[0, 1], [2, 3]]))
+        fused_gates.lstm_gates(y, c, torch.zeros(2, 1, 4 * HIDDEN), table, x_rows=torch.tensor([[0, 1], [2, 3]]))
 
 
 def test_built_once_into_the_cache_then_loaded(tmp_path, monkeypatch):
