@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 from elmo_core import BiLM, fused_gates
 from elmo_core.config import tiny
 from elmo_core.model import init_bilm_tf
+from tests.helpers import assert_same_vectors
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
 SENTENCES = [["I", "ate", "an", "apple", "."], ["Hi"], ["The", "quick", "brown", "fox", "jumps", "over", "it", "."]]
@@ -141,10 +141,4 @@ def test_model_with_the_kernel_gives_the_pytorch_numbers(monkeypatch, packed):
     assert len(calls) == 2 * 2 * (24 + 2)  # precisions x layers x steps of the longest sentence: the kernel ran
     monkeypatch.setattr(model_module.fused_gates, "available", lambda: False)
     for precision, vectors in fused.items():
-        plain = bilm.embed_sentences(sentences, precision=precision)
-        for x, y in zip(vectors, plain):
-            if precision == "fp32":
-                np.testing.assert_allclose(x, y, atol=2e-6, rtol=0)
-            else:
-                cosine = (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1))
-                assert cosine.min() >= 0.9999
+        assert_same_vectors(vectors, bilm.embed_sentences(sentences, precision=precision), precision, fp32_atol=2e-6)

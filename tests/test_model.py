@@ -10,6 +10,7 @@ from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
 from elmo_core.inference import StateCarry
 from elmo_core.model import init_bilm_tf, reverse_padded
+from tests.helpers import assert_same_vectors
 
 SENTENCES = [
     ["I", "ate", "an", "apple", "."],
@@ -199,13 +200,7 @@ def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model, monk
     packed = {p: model.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}
     monkeypatch.setattr(model_module, "worth_packing", lambda weights: False)
     for precision, vectors in packed.items():
-        plain = model.embed_sentences(sentences, precision=precision)
-        for x, y in zip(vectors, plain):
-            if precision == "fp32":
-                np.testing.assert_allclose(x, y, atol=1e-5, rtol=0)
-            else:
-                cosine = (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1))
-                assert cosine.min() >= 0.9999
+        assert_same_vectors(vectors, model.embed_sentences(sentences, precision=precision), precision, fp32_atol=1e-5)
 
 
 def test_token_encoder_bf16_weights_cast_once_give_autocast_s_numbers(model, monkeypatch):
