@@ -1,13 +1,14 @@
 /* The LSTM cell's gate arithmetic in one pass over memory, for CPU inference (built and loaded by fused_gates.py).
  *
- * Per row r and cell j, with z = y + add the pre-activations (gate order i, f, g, o as PyTorch stores them):
+ * Per row r and cell j, with z = y + bias + x the pre-activations (the step's products, the bias, the input gates;
+ * gate order i, f, g, o as PyTorch stores them):
  *     c' = clip(sigmoid(z_f) c + sigmoid(z_i) tanh(s z_g)),   m = sigmoid(z_o) tanh(c')
  * where s undoes a scale folded into the g columns of the weights (the bf16 kernel scales them by 2).
  * PyTorch runs this as about ten separate passes over (rows, 4H) tensors (add, sigmoid, tanh, slices, products,
- * clamp, casts); here each element is read once. Everything is float32; y and m may be bfloat16 in memory.
+ * clamp, casts); here each element is read once. The arithmetic is float32; y, x and m may be bfloat16 in memory.
  *
- * Accuracy: exp_f32 is within about 2 ulp of expf over the clamped range; against PyTorch's sigmoid/tanh the
- * results differ by at most a few 1e-7 (tested in tests/test_fused_gates.py).
+ * Accuracy: against PyTorch's sigmoid/tanh arithmetic the results differ by at most a few 1e-7 (tested in
+ * tests/test_fused_gates.py, and checked once per process by fused_gates._self_check).
  */
 #include <stdint.h>
 #include <string.h>
