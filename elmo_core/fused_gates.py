@@ -137,13 +137,12 @@ def _library() -> ctypes.CDLL | str:
 def _self_check(lib: ctypes.CDLL) -> float:
     """Largest difference between the kernel and PyTorch's arithmetic on a few rows (float32)."""
     hidden = 20
-    y, bias = torch.linspace(-6, 6, 2 * 4 * hidden).view(2, 4 * hidden), torch.linspace(1, -1, 4 * hidden)
-    x, c = torch.linspace(2, -3, 4 * hidden), torch.linspace(-2, 2, 2 * hidden).view(2, hidden)
-    m, c_new = torch.empty(2, hidden), torch.empty(2, hidden)
-    rows = (_GateRows * 1)()
-    rows[0].y, rows[0].bias, rows[0].x, rows[0].x_rows = y.data_ptr(), bias.data_ptr(), x.data_ptr(), None
-    rows[0].x_stride, rows[0].c_in, rows[0].c_out, rows[0].m_out = 0, c.data_ptr(), c_new.data_ptr(), m.data_ptr()
-    if lib.elmo_lstm_gates(rows, 1, 2, hidden, 1.0, 1.5, 0, 0, 0, 1) != 0:
+    y, bias = torch.linspace(-6, 6, 2 * 4 * hidden).view(1, 2, 4 * hidden), torch.linspace(1, -1, 4 * hidden)
+    x, c = torch.linspace(2, -3, 2 * 4 * hidden).view(1, 2, 4 * hidden), torch.linspace(-2, 2, 2 * hidden)
+    c = c.view(1, 2, hidden)
+    try:
+        m, c_new = _run(lib, y, c, bias.view(1, 1, -1), x, cell_clip=1.5, threads=1)
+    except RuntimeError:
         return float("inf")
     i, f, g, o = (y + bias + x).chunk(4, dim=-1)
     c_ref = (torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)).clamp(-1.5, 1.5)
@@ -170,7 +169,7 @@ def _dense(t: Tensor) -> Tensor:
 def lstm_gates(
     y: Tensor | Sequence[Tensor],
     c: Tensor,
-    bias: Tensor,
+    bias: Tensor | None,
     x: Tensor | None = None,
     *,
     x_rows: Tensor | None = None,
@@ -180,10 +179,10 @@ def lstm_gates(
 ) -> tuple[Tensor, Tensor]:
     """One LSTM step's cell update from its products ``y`` (D, rows, 4H) (or D tensors (rows, 4H)), gates i, f, g, o.
 
-    The pre-activations are ``y + bias + x``: ``bias`` (D, 1, 4H) float32; ``x`` the input gates, None, (D, rows, 4H),
-    or, with ``x_rows`` (D, rows) int64, a table (R, 4H) whose row ``x_rows[d, r]`` goes with row r. ``y`` and ``x``
-    may be float32 or bfloat16. ``g_scale`` multiplies the g pre-activations (undoing a scale folded into the
-    weights). ``c`` (D, rows, H) float32 is the cell state.
+    The pre-activations are ``y + bias + x``: ``bias`` (D, 1, 4H) float32 or None; ``x`` the input gates, None,
+    (D, rows, 4H), or, with ``x_rows`` (D, rows) int64, a table (R, 4H) whose row ``x_rows[d, r]`` goes with row r.
+    ``y`` and ``x`` may be float32 or bfloat16. ``g_scale`` multiplies the g pre-activations (undoing a scale folded
+    into the weights). ``c`` (D, rows, H) float32 is the cell state.
 
     Returns (m, c'): the cell output ``sigmoid(z_o) * tanh(c')`` (D, rows, H) in ``m_dtype`` and the clipped new cell
     state (D, rows, H) float32. The same arithmetic as ``model._Cell.gates``, to a few 1e-7.
@@ -191,6 +190,25 @@ def lstm_gates(
     library = _library()
     if isinstance(library, str):
         raise RuntimeError(f"the fused LSTM gate kernel is not available: {library}")
+    rows, width = y.shape[1:] if isinstance(y, Tensor) else y[0].shape
+    threads = torch.get_num_threads() if rows * width // 4 >= PARALLEL_ELEMENTS else 1
+    return _run(library, y, c, bias, x, x_rows, g_scale, cell_clip, m_dtype, threads)
+
+
+def _run(
+    library: ctypes.CDLL,
+    y: Tensor | Sequence[Tensor],
+    c: Tensor,
+    bias: Tensor | None,
+    x: Tensor | None = None,
+    x_rows: Tensor | None = None,
+    g_scale: float = 1.0,
+    cell_clip: float | None = None,
+    m_dtype: torch.dtype = torch.float32,
+    threads: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """``lstm_gates`` on a given library: its arguments checked, then laid out as ``elmo_gate_rows`` for the C call.
+    Every tensor whose pointer the C loop reads stays referenced here until the call returns."""
     ys = [_dense(t) for t in (y.unbind(0) if isinstance(y, Tensor) else y)]
     directions, (rows, width) = len(ys), ys[0].shape
     hidden = width // 4
@@ -201,7 +219,11 @@ def lstm_gates(
         raise TypeError(f"y, x, m must be float32 or bfloat16: {ys[0].dtype}, {getattr(x, 'dtype', None)}, {m_dtype}")
     if c.dtype != torch.float32 or c.shape != (directions, rows, hidden):
         raise ValueError(f"c must be float32 {(directions, rows, hidden)}, got {c.dtype} {tuple(c.shape)}")
-    if bias.dtype != torch.float32 or bias.shape != (directions, 1, width):
+    if bias is None:
+        biases = [_zeros(width)] * directions
+    elif bias.dtype == torch.float32 and bias.shape == (directions, 1, width):
+        biases = [_dense(b) for b in bias.unbind(0)]
+    else:
         raise ValueError(f"bias must be float32 {(directions, 1, width)}, got {bias.dtype} {tuple(bias.shape)}")
     x_stride, indices = 0, [None] * directions
     if x is None:
@@ -221,11 +243,10 @@ def lstm_gates(
     c_new = torch.empty(directions, rows, hidden)
     dirs = (_GateRows * directions)()
     for d in range(directions):
-        dirs[d].y, dirs[d].bias, dirs[d].x = ys[d].data_ptr(), _dense(bias[d]).data_ptr(), xs[d].data_ptr()
+        dirs[d].y, dirs[d].bias, dirs[d].x = ys[d].data_ptr(), biases[d].data_ptr(), xs[d].data_ptr()
         dirs[d].x_rows = indices[d].data_ptr() if indices[d] is not None else None
         dirs[d].x_stride = x_stride
         dirs[d].c_in, dirs[d].c_out, dirs[d].m_out = cs[d].data_ptr(), c_new[d].data_ptr(), m[d].data_ptr()
-    threads = torch.get_num_threads() if rows * hidden >= PARALLEL_ELEMENTS else 1
     clip = float("inf") if cell_clip is None else float(cell_clip)
     bf16 = [int(t.dtype == torch.bfloat16) for t in (ys[0], xs[0])] + [int(m_dtype == torch.bfloat16)]
     status = library.elmo_lstm_gates(dirs, directions, rows, hidden, g_scale, clip, *bf16, threads)
@@ -236,5 +257,5 @@ def lstm_gates(
 
 @lru_cache(maxsize=8)
 def _zeros(width: int) -> Tensor:
-    """A row of zeros: the input gates of a step that has none apart from its products."""
+    """A row of zeros: the bias or input gates of a step that has none apart from its products."""
     return torch.zeros(width)
