@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-import elmo_core.ingest as ingest_module
+import elmo_core.ingest.readers as readers_module
 from elmo_core.ingest import SHARD_SCHEMA, IngestConfig, _HashSet, ingest, sentence_hashes, shard_paths
 from elmo_core.tokenize import _only_ascii_separators, split_sentences, split_whitespace, unicode_tokens
 
@@ -283,7 +283,7 @@ def test_block_boundaries_change_nothing(tmp_path, monkeypatch):
     ]
     (tmp_path / "a.txt").write_bytes(b"\n".join(lines))
     whole = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "one"), max_tokens=100))
-    monkeypatch.setattr(ingest_module, "READ_BLOCK_BYTES", 7)
+    monkeypatch.setattr(readers_module, "READ_BLOCK_BYTES", 7)
     pieces = ingest(IngestConfig(sources=[str(tmp_path / "a.txt")], out=str(tmp_path / "many"), max_tokens=100))
     rows = _rows(tmp_path / "one")
     assert rows == _rows(tmp_path / "many")

@@ -1,0 +1,157 @@
+"""``ingest``: every input of a config into the dataset, one file at a time: skipped when the manifest has it,
+else sharded (``shards``) and committed (``manifest``); a file that fails is counted and the others go on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from elmo_core.errors import ElmoError, OutputError
+from elmo_core.fileio import temp_path
+from elmo_core.ingest.inputs import file_format, find_inputs
+from elmo_core.ingest.manifest import (
+    FIND_BY_SHA,
+    FIND_DONE_BY_STAT,
+    FileEntry,
+    check_options,
+    commit_file,
+    open_manifest,
+    record_failure,
+)
+from elmo_core.ingest.readers import FileStats, content_sha256
+from elmo_core.ingest.shards import write_shard
+from elmo_core.options import IngestConfig
+from elmo_core.progress import Progress, track
+from elmo_core.tokenize import get_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IngestSummary:
+    files_ingested: int = 0
+    files_skipped: int = 0
+    files_failed: int = 0
+    bytes_read: int = 0
+    sentences: int = 0
+    tokens: int = 0
+    duplicates: int = 0
+    rejected_lines: int = 0
+    invalid_utf8_lines: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, stats: FileStats, tokens: int, bytes_read: int) -> None:
+        """Count one ingested file."""
+        self.files_ingested += 1
+        self.bytes_read += bytes_read
+        self.sentences += stats.sentences
+        self.tokens += tokens
+        self.duplicates += stats.duplicates
+        self.rejected_lines += stats.rejected_lines
+        self.invalid_utf8_lines += stats.invalid_utf8_lines
+        self.warnings.extend(stats.examples)
+
+    @property
+    def nothing_ingested(self) -> bool:
+        """Every input failed: no dataset to go on with (some failures beside good files are only counted)."""
+        return bool(self.files_failed) and not self.files_ingested and not self.files_skipped
+
+    def line(self) -> str:
+        mb = self.bytes_read / 1e6
+        return (
+            f"ingest: {self.files_ingested} files ingested, {self.files_skipped} unchanged, "
+            f"{self.files_failed} failed; "
+            f"{self.sentences:,} sentences, {self.tokens:,} tokens, {self.duplicates:,} duplicates dropped, "
+            f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8; "
+            f"{mb:,.1f} MB in {self.seconds:.1f} s ({mb / max(self.seconds, 1e-9):,.1f} MB/s)"
+        )
+
+
+@dataclass
+class _Ingest:
+    """One ``ingest`` call's open manifest, counts and progress, handed from file to file."""
+
+    con: duckdb.DuckDBPyConnection
+    config: IngestConfig
+    out: Path
+    summary: IngestSummary
+    progress: Progress
+    done_bytes: int = 0  # of the inputs before the current one
+
+
+def ingest(config: IngestConfig) -> IngestSummary:
+    """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts."""
+    started = time.perf_counter()
+    out = Path(config.out)
+    if out.is_file():
+        raise OutputError(f"{out}: is a file; --out takes a dataset folder (new, or one `elmo ingest` wrote)")
+    get_tokenizer(config.tokenizer)  # fail before any work if the tokenizer is unavailable
+    inputs = find_inputs(config.sources)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".part-*.tmp"), *out.glob("part-*.tmp")]:
+        stale.unlink()  # left by an interrupted run
+    summary = IngestSummary()
+    con = open_manifest(out, config.memory_limit)
+    try:
+        check_options(con, out, config)
+        with track("ingest", sum(p.stat().st_size for p in inputs) / 1e6, "MB") as progress:
+            run = _Ingest(con=con, config=config, out=out, summary=summary, progress=progress)
+            for n, path in enumerate(inputs, 1):
+                size = path.stat().st_size
+                _ingest_file(run, path, f"[{n}/{len(inputs)}]")
+                run.done_bytes += size
+                progress.update(
+                    run.done_bytes / 1e6, f"{summary.files_ingested} files, {summary.sentences:,} sentences"
+                )
+    finally:
+        con.close()
+    summary.seconds = time.perf_counter() - started
+    log.info("%s", summary.line())
+    return summary
+
+
+def _ingest_file(run: _Ingest, path: Path, label: str) -> None:
+    """One input file into its shard and the manifest (or skipped: already done; or failed, counted)."""
+    con, summary, stat = run.con, run.summary, path.stat()
+    if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
+        summary.files_skipped += 1
+        return
+    sha = content_sha256(path)
+    row = con.execute(FIND_BY_SHA, [sha]).fetchall()
+    if row and row[0][0] == "done":
+        summary.files_skipped += 1
+        return
+    fmt = file_format(path)
+    at_start = run.done_bytes
+    stats = FileStats(str(path), fmt, progress=lambda at: run.progress.update((at_start + at) / 1e6, path.name))
+    entry = FileEntry(path=path, stat=stat, sha256=sha, stats=stats)
+    shard = run.out / f"part-{entry.key}.parquet"
+    shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
+    log.info("%s %s (%s, %.1f MB)", label, path, fmt, stat.st_size / 1e6)
+    tmp = temp_path(shard)
+    try:
+        hashes = write_shard(path, entry.key, fmt, run.config, tmp, con, stats)
+    except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
+        tmp.unlink(missing_ok=True)
+        summary.files_failed += 1
+        summary.errors.append(str(exc))
+        log.error("%s", exc)
+        record_failure(con, entry, str(exc))
+        return
+    commit_file(con, entry, tmp, shard, hashes, run.config.dedup)
+    summary.add(stats, tokens=_token_count(shard) if stats.sentences else 0, bytes_read=stat.st_size)
+    for example in stats.examples:
+        log.warning("%s", example)
+
+
+def _token_count(shard: Path) -> int:
+    table = pq.read_table(shard, columns=["n_tokens"])
+    return int(pc.sum(table.column(0)).as_py() or 0)
