@@ -5,13 +5,12 @@
 
 Each stage is one call into elmo_core, configured by that stage's options model (``elmo_core.options``); the
 flow's parameters hold those models, and a stage's options given as a dict are laid over the main job's
-defaults. A stage writes ``_stage.json`` (its input fingerprint and result) into its folder; a rerun with the same
-inputs skips the work, and from then on Prefect serves it from its cache.
+defaults. A stage writes ``_stage.json`` (its input fingerprint, whether it finished, its result) into its folder:
+a rerun with the same inputs skips the finished work, and nothing else decides what is skipped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.context import TaskRunContext
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
@@ -92,7 +90,7 @@ def _absolute(path: str) -> Path:
     return p if p.is_absolute() else PROJECT_ROOT / p
 
 
-# ----- stage bookkeeping: fingerprints and stamps -----------------------------------------------------
+# ----- stage bookkeeping: one stamp per stage folder -------------------------------------------------
 
 
 def _stamp(directory: Path) -> dict[str, Any] | None:
@@ -100,59 +98,48 @@ def _stamp(directory: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _run_stage(directory: Path, fingerprint: str, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Skip the work when the stage folder holds a stamp with the same input fingerprint."""
+def _run_stage(
+    directory: Path, fingerprint: str, work: Callable[[], dict[str, Any]], fresh_start: bool = False
+) -> dict[str, Any]:
+    """The one way a stage skips work: its folder's ``_stage.json`` names the input fingerprint it was made from.
+
+    Done with the same fingerprint: skipped, its result returned. Otherwise the stamp says "started" while the work
+    runs (an interrupted stage with the same inputs continues: training resumes from its checkpoints) and "done"
+    with the result after. ``fresh_start``: work of other inputs in the folder is removed first (checkpoints of
+    another training configuration).
+    """
     stamp = _stamp(directory)
-    if stamp and stamp["fingerprint"] == fingerprint:
+    if stamp and stamp["fingerprint"] == fingerprint and stamp.get("status", "done") == "done":
         get_run_logger().info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
         return stamp["result"]
-    result = work()
+    if fresh_start and stamp and stamp["fingerprint"] != fingerprint and directory.exists():
+        shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(
-        directory / "_stage.json",
-        json.dumps({"fingerprint": fingerprint, "result": result}, indent=2, default=str) + "\n",
-    )
+    _write_stamp(directory, {"fingerprint": fingerprint, "status": "started"})
+    result = work()
+    _write_stamp(directory, {"fingerprint": fingerprint, "status": "done", "result": result})
     return result
 
 
-def _stage_cache_key(
-    directory_param: str, fingerprint_param: str
-) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
-    """Prefect cache key = the input fingerprint, once the stage's stamp on disk confirms its outputs exist."""
-
-    def key(context: TaskRunContext, parameters: dict[str, Any]) -> str | None:
-        directory, fingerprint = Path(parameters[directory_param]), parameters[fingerprint_param]
-        stamp = _stamp(directory)
-        if stamp and stamp["fingerprint"] == fingerprint:
-            return hashlib.sha256(
-                f"{directory.resolve()}:{fingerprint}".encode()
-            ).hexdigest()  # a file name in result storage
-        return None
-
-    return key
+def _write_stamp(directory: Path, stamp: dict[str, Any]) -> None:
+    write_text_atomic(directory / "_stage.json", json.dumps(stamp, indent=2, default=str) + "\n")
 
 
 # ----- tasks: one call into elmo_core each -----------------------------------------------------------------
 
 
-# the stages whose outputs a stamp describes: retried on passing trouble, served from Prefect's cache when unchanged
-CACHED_STAGE = {
-    "retries": 2,
-    "retry_delay_seconds": 5,
-    "retry_condition_fn": retry_unless_user_error,
-    "cache_key_fn": _stage_cache_key("out", "fingerprint"),
-    "persist_result": True,
-}
+# passing trouble (a locked file, a full disk freed meanwhile) is retried; a user's error is not
+RETRIED = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_unless_user_error}
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@task(**RETRIED)
 def default_corpus(workdir: str) -> list[str]:
     path, paragraphs = write_default_corpus(Path(workdir) / "corpus" / "pydoc_topics.txt")
     get_run_logger().info("default corpus: %d paragraphs of Python's pydoc topics -> %s", paragraphs, path)
     return [str(path)]
 
 
-@task(**CACHED_STAGE)
+@task(**RETRIED)
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
@@ -180,7 +167,7 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
     return result
 
 
-@task(**CACHED_STAGE)
+@task(**RETRIED)
 @stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
     result = _run_stage(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
@@ -192,15 +179,10 @@ def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, An
     return result
 
 
-@task(cache_key_fn=_stage_cache_key("out", "fingerprint"), persist_result=True)
+@task
 @stage
 def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        started = Path(out) / "_started.json"
-        if started.exists() and json.loads(started.read_text())["fingerprint"] != fingerprint:
-            shutil.rmtree(out)  # checkpoints of another configuration: start this one afresh
-        Path(out).mkdir(parents=True, exist_ok=True)
-        write_text_atomic(started, json.dumps({"fingerprint": fingerprint}) + "\n")
         result = train(config)  # resume=True: an interrupted run with these inputs continues
         return {
             "steps": result.steps,
@@ -211,7 +193,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
             "model_uri": result.model_uri,
         }
 
-    result = _run_stage(Path(out), fingerprint, work)
+    result = _run_stage(Path(out), fingerprint, work, fresh_start=True)  # another configuration starts afresh
     link = mlflow_run_link(config.tracking_uri, result["run_id"]) if config.tracking == "mlflow" else None
     if link:
         create_markdown_artifact(
@@ -223,7 +205,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
     return result
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@task(**RETRIED)
 @stage
 def export_stage(run_dir: str, out: str) -> str:
     step, checkpoint = export_checkpoint(run_dir, out)
@@ -259,33 +241,13 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     tracking_uri = params.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir / 'mlflow.db'}"
     sources = [str(_absolute(s)) for s in params.sources] if params.sources else default_corpus(str(workdir))
 
-    ingest_dir, vocab_dir, train_dir, export_dir = (
-        workdir / "ingest",
-        workdir / "vocab",
-        workdir / "train",
-        workdir / "export",
-    )
-    ingest_config = IngestConfig(sources=sources, out=str(ingest_dir), **params.ingest.model_dump())
+    ingest_dir, vocab_dir, train_dir, export_dir = (workdir / name for name in ("ingest", "vocab", "train", "export"))
+    ingest_config, vocab_config, train_config = _stage_configs(params, workdir, sources, tracking_uri)
     ingested = ingest_stage(
         ingest_config, str(ingest_dir), fingerprint_files(find_inputs(sources), ingest_config.model_dump())
     )
-
-    vocab_config = VocabConfig(
-        corpus=str(ingest_dir),
-        db=str(vocab_dir / "vocab.duckdb"),
-        vocab_file=params.vocab_file,
-        **params.vocab.model_dump(),
-    )
     stats = vocab_stage(
         vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump())
-    )
-
-    train_config = TrainConfig(
-        data=str(vocab_dir),
-        out=str(train_dir),
-        init_from=params.init_from,
-        tracking_uri=tracking_uri,
-        **params.train.model_dump(exclude={"bf16"}),
     )
     trained = train_stage(
         train_config,
@@ -325,6 +287,28 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     }
     _print_summary(summary)
     return summary
+
+
+def _stage_configs(
+    params: PipelineParams, workdir: Path, sources: list[str], tracking_uri: str
+) -> tuple[IngestConfig, VocabConfig, TrainConfig]:
+    """Each stage's options laid over the folders the main job gives it."""
+    vocab_dir = workdir / "vocab"
+    ingest = IngestConfig(sources=sources, out=str(workdir / "ingest"), **params.ingest.model_dump())
+    vocab = VocabConfig(
+        corpus=str(workdir / "ingest"),
+        db=str(vocab_dir / "vocab.duckdb"),
+        vocab_file=params.vocab_file,
+        **params.vocab.model_dump(),
+    )
+    train = TrainConfig(
+        data=str(vocab_dir),
+        out=str(workdir / "train"),
+        init_from=params.init_from,
+        tracking_uri=tracking_uri,
+        **params.train.model_dump(exclude={"bf16"}),
+    )
+    return ingest, vocab, train
 
 
 def _print_summary(s: dict[str, Any]) -> None:
