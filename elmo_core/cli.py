@@ -35,11 +35,12 @@ from elmo_core.options import (
     Options,
     PerplexityConfig,
     QueryConfig,
+    TagConfig,
     TrainConfig,
     VocabConfig,
+    WsdConfig,
     describe_validation_error,
 )
-from elmo_core.probe import PROBE_COMMANDS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
@@ -302,16 +303,30 @@ def cmd_query(config: QueryConfig) -> None:
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
 
-def cmd_probe(run: Callable[..., dict[str, Any]], config: Options) -> None:
-    from elmo_core.probe import results_table
+def cmd_probe(kind: str, config: Options) -> None:
+    from elmo_core import probe
 
-    results = run(config)
-    print(results_table(results))
+    results = getattr(probe, f"run_{kind}")(config)
+    print(probe.results_table(results))
     print(
         f"probe {results['kind']}: -> {Path(config.out) / 'results.json'}, chart.png"  # type: ignore[attr-defined]
         + (f"; MLflow run {results['mlflow_run_id']}" if results.get("mlflow_run_id") else "")
     )
 
+
+# kind: (options model, one-line help, description with an example); ``elmo probe KIND`` runs ``probe.run_KIND``
+PROBE_COMMANDS: dict[str, tuple[type[Options], str, str]] = {
+    "wsd": (
+        WsdConfig,
+        "word-sense 1-NN per layer (WordNet's examples by default)",
+        "Example: elmo probe wsd --model data/export --out data/probe_wsd  (--data senses.jsonl, or a WordNet folder)",
+    ),
+    "tag": (
+        TagConfig,
+        "a linear tagging probe per layer and over a learned scalar mix",
+        "Example: elmo probe tag --model data/export --train train.conllu --dev dev.conllu --out data/probe_tag",
+    ),
+}
 
 # name: (options model, handler, positional fields, one-line help, description with an example)
 COMMANDS: dict[str, tuple[type[Options], Callable[[Any], None], tuple[str, ...], str, str]] = {
@@ -398,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Probes write results.json and chart.png to --out and log an MLflow run.",
     )
     kinds = probe.add_subparsers(dest="kind", required=True)
-    for name, (model, _, help_text, description) in PROBE_COMMANDS.items():
+    for name, (model, help_text, description) in PROBE_COMMANDS.items():
         command = kinds.add_parser(name, help=help_text, description=description)
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model)
@@ -430,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.command if args.command != "probe" else f"probe {args.kind}"
     try:
         if args.command == "probe":
-            model, run, _, _ = PROBE_COMMANDS[args.kind]
-            handler = functools.partial(cmd_probe, run)
+            model = PROBE_COMMANDS[args.kind][0]
+            handler = functools.partial(cmd_probe, args.kind)
         else:
             model, handler, _, _, _ = COMMANDS[args.command]
         handler(parse_config(model, args))

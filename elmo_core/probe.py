@@ -157,10 +157,9 @@ def embed_all(
 
 
 def mix_weights(n_layers: int, weights: list[float] | None) -> np.ndarray:
-    if weights is not None and len(weights) != n_layers:
-        raise InputError(f"--mix-weights has {len(weights)} values; the model has {n_layers} layers")
-    w = np.asarray(weights if weights is not None else [0.0] * n_layers, dtype=np.float64)
-    return np.exp(w - w.max()) / np.exp(w - w.max()).sum()
+    """The fixed scalar mix's factor per layer (softmax of ``--mix-weights``; equal without), as ``elmo embed``."""
+    mix = ScalarMix(n_layers, initial_scalar_parameters=weights, trainable=False)
+    return mix.weights().detach().double().numpy()
 
 
 # ----- word sense -------------------------------------------------------------------------------------------
@@ -521,17 +520,3 @@ def _finish(
 
 
 # ``elmo probe <kind>``: (options model, runner, one-line help, description with an example)
-PROBE_COMMANDS: dict[str, tuple[type, Callable[..., dict[str, Any]], str, str]] = {
-    "wsd": (
-        WsdConfig,
-        run_wsd,
-        "word-sense 1-NN per layer (WordNet's examples by default)",
-        "Example: elmo probe wsd --model data/export --out data/probe_wsd  (--data senses.jsonl, or a WordNet folder)",
-    ),
-    "tag": (
-        TagConfig,
-        run_tag,
-        "a linear tagging probe per layer and over a learned scalar mix",
-        "Example: elmo probe tag --model data/export --train train.conllu --dev dev.conllu --out data/probe_tag",
-    ),
-}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,40 +24,24 @@ from elmo_core.chars import (
     UNK_TOKEN,
     tokens_to_char_array,
 )
-from elmo_core.errors import ConfigError, InputError
-from elmo_core.fileio import atomic_path, atomic_write, write_text_atomic
+from elmo_core.errors import InputError
+from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.ingest import shard_paths
 from elmo_core.options import VocabConfig
 from elmo_core.progress import track
+from elmo_core.vocab_file import MAX_TERM_ID, check_training_vocab, read_vocab_file, write_vocab_file
 
-MAX_TERM_ID = "!!!MAXTERMID"  # bilm-tf skips this marker line
+__all__ = [
+    "MAX_TERM_ID",
+    "VOCAB_NAME_IN_DATA",
+    "build_vocab",
+    "check_training_vocab",
+    "read_vocab_file",
+    "write_token_ids",
+    "write_vocab_file",
+]
+
 VOCAB_NAME_IN_DATA = "vocab.txt"  # written beside the DuckDB file, with token_ids/ next to it
-
-
-def read_vocab_file(path: str | Path) -> list[str]:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: vocabulary file not found") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 at byte {exc.start}") from None
-    return [line for line in text.split("\n") if line and line != MAX_TERM_ID]
-
-
-def write_vocab_file(tokens: Iterable[str], path: str | Path) -> None:
-    """Write atomically (temp file, then rename), so a reader never sees half a vocabulary."""
-    with atomic_write(path) as f:
-        for token in tokens:
-            if "\n" in token:
-                raise InputError(f"token {token!r} contains a newline and cannot be written to {path}")
-            f.write(token + "\n")
-
-
-def check_training_vocab(tokens: list[str], source: str) -> None:
-    """bilm-tf training needs ``<S>``, ``</S>``, ``<UNK>`` first (the sampler assumes id order = frequency)."""
-    if tuple(tokens[:3]) != SPECIAL_TOKENS:
-        raise ConfigError(f"{source}: a training vocabulary must start with <S>, </S>, <UNK>; found {tokens[:3]}")
 
 
 # ----- the vocabulary in DuckDB -------------------------------------------------------------------------

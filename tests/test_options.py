@@ -27,7 +27,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def test_every_cli_flag_is_a_field_and_every_field_a_flag():
-    from elmo_core.probe import PROBE_COMMANDS
+    from elmo_core.cli import PROBE_COMMANDS
 
     commands = _subparsers(build_parser())
     probes = _subparsers(commands.pop("probe"))
