@@ -43,6 +43,7 @@ def bilm_step_tokens_per_s(token_id_dir: Path, repeats: int = 3) -> float:
 
     from elmo_core import BiLM
     from elmo_core.batches import LMBatcher
+    from elmo_core.chars import model_ids
     from elmo_core.config import small
     from elmo_core.model import init_bilm_tf
 
@@ -51,14 +52,13 @@ def bilm_step_tokens_per_s(token_id_dir: Path, repeats: int = 3) -> float:
     init_bilm_tf(bilm)
     bilm.train()
     batch = next(iter(LMBatcher(token_id_dir, batch_size=BATCH, unroll_steps=UNROLL, seed=0)))
-    chars = torch.from_numpy(batch["tokens_characters"]).long() + 1  # raw ids → the model's +1 scheme
-    lengths = torch.full((BATCH,), UNROLL)
+    chars = model_ids(torch.from_numpy(batch["tokens_characters"]).long())
+    chars_b = model_ids(torch.from_numpy(batch["tokens_characters_reverse"]).long())
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        x = bilm.embed_chars(chars)
-        outputs, _ = bilm.lstm((x, x), lengths)
-        sum(o.sum() for pair in outputs for o in pair).backward()
+        outputs = bilm(chars, backward_inputs=chars_b)["activations"][1:]
+        sum(layer.sum() for layer in outputs).backward()
         times.append(time.perf_counter() - start)
     return BATCH * UNROLL / sorted(times[1:])[len(times[1:]) // 2]
 

@@ -66,8 +66,8 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
 def describe_machine(device: torch.device | str = "cpu") -> str:
     """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively, whether oneDNN's packed
     products are on and whether the C gate kernel was built: which kernels ran."""
-    from elmo_core.fused_gates import describe as describe_fused_gates
-    from elmo_core.packed import packing_available
+    from elmo_core.kernels.fused_gates import describe as describe_fused_gates
+    from elmo_core.kernels.packed import packing_available
     from elmo_core.precision import cpu_capability, cpu_has_native_bf16
 
     cpuinfo = Path("/proc/cpuinfo")
@@ -210,6 +210,7 @@ def main() -> None:
             fresh.save_pretrained(str(model_dir))
             del fresh
             bilm = BiLM.from_pretrained(str(model_dir), device=args.device)
+            notes += [f"{shape} kernels: {bilm.prepare(p)}" for p in ("bf16", "fp32")]  # what ran, fp32 kept
             for name, sentences in workloads.items():
                 n_tokens = sum(len(s) for s in sentences)
                 seconds, vectors = time_ours(bilm, sentences, args.repeats)

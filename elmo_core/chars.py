@@ -7,7 +7,7 @@ Two schemes share one layout (a row of ``max_chars`` ids per token):
 * **inference** (bilm-tf ``Batcher``, AllenNLP ``batch_to_ids``): every raw id + 1, so that 0 is free to mean
   "padding token" (a whole row of zeros). The model's char table has 262 rows, row 0 all zeros.
 
-The model always works in the inference scheme; training batches add 1 to their raw ids.
+The model always works in the inference scheme; training batches hold raw ids, which ``model_ids`` converts.
 A token is its UTF-8 bytes cut to ``max_chars - 2`` (a cut may split a multi-byte character, as upstream).
 The strings ``<S>`` and ``</S>`` always get the sentence-boundary patterns (AllenNLP's behaviour).
 """
@@ -90,6 +90,11 @@ def batch_to_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS)
         if sentence:
             out[b, : len(sentence)] = tokens_to_char_array(sentence, max_chars)
     return torch.from_numpy(out)
+
+
+def model_ids(raw: torch.Tensor) -> torch.Tensor:
+    """Raw char ids (training batches, bilm-tf's scheme) ─► the inference ids the model reads."""
+    return raw + INFERENCE_OFFSET
 
 
 def boundary_char_ids(max_chars: int = MAX_CHARS) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ sentence (``doc_id, sentence_id, n_tokens, text``, the vectors averaged over tok
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -40,20 +41,11 @@ import torch
 
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import atomic_path, write_text_atomic
-from elmo_core.fused_gates import describe as describe_fused_gates
-from elmo_core.inference import StateCarry, TokenCache, length_batches
+from elmo_core.inference import StateCarry, consecutive_batches, length_batches, token_rows
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
-from elmo_core.model import BiLM
+from elmo_core.model import BiLM, ScalarMix
 from elmo_core.options import EmbedConfig, IngestConfig
-from elmo_core.packed import describe as describe_packing
-from elmo_core.precision import (
-    autocast,
-    cpu_capability,
-    cpu_has_native_bf16,
-    onednn_verbose,
-    pick_device,
-    resolve_precision,
-)
+from elmo_core.precision import onednn_verbose, pick_device
 from elmo_core.progress import track
 from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.weights import OPTIONS_NAME, resolve_model_files
@@ -330,25 +322,13 @@ class Embedder:
 
     def __init__(self, config: EmbedConfig, model_dir: Path, model_id: str, show_kernels: bool = False) -> None:
         self.config, self.model_id, self.show_kernels = config, model_id, show_kernels
-        self.bilm = BiLM.from_pretrained(str(model_dir), device=pick_device(config.device))
-        self.precision = resolve_precision(config.precision, self.bilm.device)
+        device = pick_device(config.device)
+        self.bilm = BiLM.from_pretrained(str(model_dir), device=device, precision=config.precision)
         if show_kernels:
-            lstm, on_cpu = self.bilm.config.lstm, self.bilm.device.type == "cpu"
-            log.info(
-                "precision %s on %s: torch CPU kernels %s, native bf16 %s, LSTM step weights packed for oneDNN %s, "
-                "LSTM gates fused in C %s; oneDNN's log of the first batch follows",
-                self.precision,
-                self.bilm.device,
-                cpu_capability(),
-                "yes" if cpu_has_native_bf16() else "no",
-                describe_packing(lstm.dim, lstm.projection_dim) if on_cpu else "no (not a CPU)",
-                describe_fused_gates() if on_cpu else "no (not a CPU)",
-            )
+            log.info("%s; oneDNN's log of the first batch follows", self.bilm.kernels)
         n = self.bilm.num_layers
-        if config.mix_weights is not None and len(config.mix_weights) != n:
-            raise InputError(f"--mix-weights has {len(config.mix_weights)} values; {model_dir} has {n} layers")
-        weights = torch.tensor(config.mix_weights if config.mix_weights is not None else [0.0] * n, dtype=torch.float32)
-        self.mix = (config.gamma * torch.softmax(weights, 0)).to(self.bilm.device)
+        mix = ScalarMix(n, initial_scalar_parameters=config.mix_weights, trainable=False, gamma=config.gamma)
+        self.mix = mix.weights().detach().to(device)
         self.schema = output_schema(n, self.bilm.output_dim, config)
         self.names = [f"layer_{i}" for i in range(n)] if config.layers == "all" else ["elmo"]
 
@@ -380,36 +360,18 @@ class Embedder:
 
     def _batches(self, sentences: list[list[str]]) -> list[list[int]]:
         lengths = [len(s) for s in sentences]
-        if not self.config.stateful:
-            return length_batches(lengths, self.config.max_batch_tokens)
-        batches: list[list[int]] = [[]]  # stateful: the given order, consecutive rows
-        longest = 0
-        for i, n in enumerate(lengths):
-            longest_if = max(longest, n, 1)
-            if batches[-1] and longest_if * (len(batches[-1]) + 1) > self.config.max_batch_tokens:
-                batches.append([])
-                longest_if = max(n, 1)
-            batches[-1].append(i)
-            longest = longest_if
-        return [b for b in batches if b]
+        if self.config.stateful:  # the given order, consecutive rows
+            return consecutive_batches(lengths, max_tokens=self.config.max_batch_tokens)
+        return length_batches(lengths, self.config.max_batch_tokens)
 
-    @torch.no_grad()
     def _tables(self, group: pa.Table, sentences: list[list[str]]) -> Iterator[pa.Table]:
         """Every distinct word of the unit through the char CNN once, then length-sorted batches of token rows."""
-        bilm = self.bilm
-        with autocast(bilm.device, self.precision):
-            cache = TokenCache.of_sentences(bilm, sentences)
-        table = cache.table.to(bilm.device)
         carry = StateCarry() if self.config.stateful else None
-        for batch in self._batches(sentences):
-            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device)
-            with autocast(bilm.device, self.precision), onednn_verbose(self.show_kernels):
-                self.show_kernels = False  # one batch is enough to see the kernels
-                layers, counts, state = bilm.token_rows(
-                    ids, state=carry.take(len(batch)) if carry else None, token_table=table
-                )
-            if carry is not None:
-                carry.keep(state)
+        batches = token_rows(self.bilm, sentences, self._batches(sentences), carry)
+        with onednn_verbose(self.show_kernels):  # one batch is enough to see the kernels
+            first = next(batches, None)
+        self.show_kernels = False
+        for batch, layers, counts in itertools.chain([first] if first is not None else [], batches):
             stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P)
             vectors = (
                 stacked if self.config.layers == "all" else (self.mix[:, None, None] * stacked).sum(0, keepdim=True)

@@ -1,10 +1,12 @@
 """Running a biLM over many sentences: what ``BiLM.embed_sentences``, embedding jobs and probes share.
 
-* ``length_batches``: sentences sorted by length, each batch bounded by its padded size in tokens and rows.
-* ``TokenCache``: layer 0 (char CNN, highway, projection) computed once per distinct word of a unit of
-  work; sentences then enter the model as (B, T) ids into the cache's table.
+* ``length_batches`` / ``consecutive_batches``: which sentences share a forward pass: sorted by length (each
+  sentence from zero state), or in the given order (the stateful protocol, where row r continues row r).
+* ``TokenCache``: layer 0 (char CNN, highway, projection) computed once per distinct word of a chunk of work;
+  sentences then enter the model as (B, T) ids into the cache's table.
 * ``StateCarry``: bilm-tf's and AllenNLP's stateful protocol over explicit state: row r's final LSTM state
   starts row r of the next call; rows beyond a smaller batch keep theirs, new rows start from zero.
+* ``token_rows``: the one loop: per chunk a token cache, then each batch's token rows.
 * ``embed_sentences``: one (L+1, n_tokens, 2P) array per sentence.
 
 The biLM is passed in (a ``model.BiLM``); this module sits below the model and never imports it.
@@ -13,20 +15,22 @@ The biLM is passed in (a ``model.BiLM``); this module sits below the model and n
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core.precision import autocast, resolve_precision
+from elmo_core.precision import resolve_precision
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
-CACHE_TOKENS = 65_536  # tokens whose distinct words share one token cache in ``embed_sentences``
+CACHE_TOKENS = 65_536  # tokens whose distinct words share one token cache
+STATEFUL_BATCH_SIZE = 64  # rows per call of the stateful protocol, as AllenNLP's ElmoEmbedder
 
+# (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
 LstmState = tuple[Tensor, Tensor]
 
 
@@ -45,6 +49,25 @@ def length_batches(lengths: Sequence[int], max_tokens: int, max_rows: int | None
     if current:
         batches.append(current)
     return batches
+
+
+def consecutive_batches(
+    lengths: Sequence[int], max_tokens: int | None = None, max_rows: int | None = None
+) -> list[list[int]]:
+    """Indices in the given order, cut into batches of at most ``max_rows`` rows and ``max_tokens`` padded tokens."""
+    batches: list[list[int]] = [[]]
+    longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n, 1)
+        current = batches[-1]
+        if current and (
+            (max_rows and len(current) >= max_rows) or (max_tokens and grown * (len(current) + 1) > max_tokens)
+        ):
+            batches.append([])
+            grown = max(n, 1)
+        batches[-1].append(i)
+        longest = grown
+    return [b for b in batches if b]
 
 
 class TokenCache:
@@ -106,6 +129,24 @@ class StateCarry:
 
 
 @torch.no_grad()
+def token_rows(
+    bilm: Any, sentences: Sequence[Sequence[str]], batches: list[list[int]], carry: StateCarry | None = None
+) -> Iterator[tuple[list[int], list[Tensor], Tensor]]:
+    """Per batch (in order): its sentence indices, its L+1 layers as token rows (N, 2P) (the tokens of its first
+    sentence, then the next, …) and each sentence's token count. Runs whatever the model was prepared with; the
+    distinct words of each ``CACHE_TOKENS`` of work go through layer 0 once."""
+    for chunk in _chunks(batches, sentences):
+        cache = TokenCache.of_sentences(bilm, [sentences[i] for batch in chunk for i in batch])
+        table = cache.table.to(bilm.device)
+        for batch in chunk:
+            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device, non_blocking=True)
+            state = carry.take(len(batch)) if carry is not None else None
+            layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=table)
+            if carry is not None:
+                carry.keep(new_state)
+            yield batch, layers, counts
+
+
 def embed_sentences(
     bilm: Any,
     sentences: Sequence[Sequence[str]],
@@ -127,26 +168,16 @@ def embed_sentences(
     if bf16 is not None:
         precision = "bf16" if bf16 else "fp32"
         log.warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
-    precision = resolve_precision(precision, bilm.device)
     if stateful and carry is None:
         carry = StateCarry()
+    lengths = [len(s) for s in sentences]
     if carry is not None:
-        rows = batch_size or 64
-        batches = [list(range(start, min(start + rows, len(sentences)))) for start in range(0, len(sentences), rows)]
+        batches = consecutive_batches(lengths, max_rows=batch_size or STATEFUL_BATCH_SIZE)
     else:
-        batches = length_batches([len(s) for s in sentences], max_batch_tokens, batch_size)
+        batches = length_batches(lengths, max_batch_tokens, batch_size)
     results: list[np.ndarray | None] = [None] * len(sentences)
-    for chunk in _chunks(batches, sentences):
-        with autocast(bilm.device, precision):  # layer 0 of each distinct word once per chunk, in this precision
-            cache = TokenCache.of_sentences(bilm, [sentences[i] for batch in chunk for i in batch])
-        table = cache.table.to(bilm.device)
-        for batch in chunk:
-            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device, non_blocking=True)
-            state = carry.take(len(batch)) if carry is not None else None
-            with autocast(bilm.device, precision):
-                layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=table)
-            if carry is not None:
-                carry.keep(new_state)
+    with bilm.prepared(resolve_precision(precision, bilm.device)):
+        for batch, layers, counts in token_rows(bilm, sentences, batches, carry):
             stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
             start = 0
             for i, n in zip(batch, counts.tolist()):

@@ -1,4 +1,5 @@
-"""Experiment tracking behind a small interface; MLflow is imported here and nowhere else.
+"""Experiment tracking behind a small interface. In elmo_core MLflow is imported here and in ``mlflow_model`` (the
+file MLflow itself loads as the model's code); the flows use it only to link a run.
 
 The trainer talks to a ``Tracker``; ``NullTracker`` trains without MLflow, ``MLflowTracker`` logs to any MLflow
 store (by default a SQLite file under ``data/``). A trained model is logged as a pyfunc model whose artifact is

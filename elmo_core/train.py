@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from elmo_core.batches import LMBatcher
-from elmo_core.chars import INFERENCE_OFFSET
+from elmo_core.chars import model_ids
 from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
 from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError, TrainingDivergedError
 from elmo_core.fileio import write_text_atomic
@@ -84,15 +84,12 @@ class LMObjective(nn.Module):
 
     def hidden(self, chars_f: Tensor, chars_b: Tensor, state: LstmState | None) -> tuple[Tensor, Tensor, LstmState]:
         """Raw char ids (B, T, C) of both streams ─► top-layer outputs (B, T, P) each, and the new state."""
-        x_f = self.bilm.embed_chars(chars_f + INFERENCE_OFFSET)  # the model reads the inference scheme
-        x_b = self.bilm.embed_chars(chars_b + INFERENCE_OFFSET)
-        lengths = torch.full((chars_f.shape[0],), chars_f.shape[1], dtype=torch.long)
-        outputs, new_state = self.bilm.lstm((x_f, x_b), lengths, state, dropout=self.dropout)
-        top_f, top_b = outputs[-1]
+        out = self.bilm(model_ids(chars_f), state, backward_inputs=model_ids(chars_b), dropout=self.dropout)
+        top_f, top_b = out["activations"][-1].chunk(2, dim=-1)
         if self.training and self.dropout > 0:
             top_f = nn.functional.dropout(top_f, self.dropout)
             top_b = nn.functional.dropout(top_b, self.dropout)
-        return top_f, top_b, new_state
+        return top_f, top_b, out["state"]
 
     def forward(
         self,
@@ -162,19 +159,8 @@ def evaluate(
     expected = n_tokens // (rows * unroll_steps)
     with track("evaluate", min(expected, max_batches or expected) or None, "batches") as progress:
         for batch in batcher:
-            top_f, top_b, state = objective.hidden(
-                _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state
-            )
-            p, softmax = top_f.shape[-1], bilm.softmax
-            total_f, total_b = (
-                total
-                + float(
-                    full_softmax_loss(
-                        top.reshape(-1, p), _tensor(batch[key], device).reshape(-1), softmax.weight, softmax.bias
-                    )
-                )
-                for total, top, key in ((total_f, top_f, "next_token_id"), (total_b, top_b, "next_token_id_reverse"))
-            )
+            loss_f, loss_b, state = _full_softmax_losses(objective, batch, state, device)
+            total_f, total_b = total_f + loss_f, total_b + loss_b
             if log_p is not None:
                 unigram += float(-log_p[batch["next_token_id"]].mean())
             batches += 1
@@ -194,6 +180,23 @@ def evaluate(
     if log_p is not None:
         result["perplexity_unigram"] = math.exp(unigram / batches)
     return result
+
+
+def _full_softmax_losses(
+    objective: LMObjective, batch: dict[str, np.ndarray], state: LstmState | None, device: torch.device
+) -> tuple[float, float, LstmState]:
+    """One window's mean forward and backward losses under the full softmax, and the state after it."""
+    top_f, top_b, state = objective.hidden(
+        _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state
+    )
+    softmax = objective.bilm.softmax
+    losses = [
+        float(
+            full_softmax_loss(top.flatten(0, 1), _tensor(batch[key], device).reshape(-1), softmax.weight, softmax.bias)
+        )
+        for top, key in ((top_f, "next_token_id"), (top_b, "next_token_id_reverse"))
+    ]
+    return losses[0], losses[1], state
 
 
 def describe_perplexity(result: dict[str, float]) -> str:
@@ -413,20 +416,20 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
     run = Run(
-        config,
-        out,
-        data,
-        device,
-        ddp,
-        resolve_precision(config.precision, device),
-        vocab,
-        counts,
-        bilm,
-        model,
-        params,
-        _make_optimizer(config, params),
-        LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
-        LMBatcher(
+        config=config,
+        out=out,
+        data=data,
+        device=device,
+        ddp=ddp,
+        precision=resolve_precision(config.precision, device),
+        vocab=vocab,
+        unigram_counts=counts,
+        bilm=bilm,
+        model=model,
+        params=params,
+        optimizer=_make_optimizer(config, params),
+        sampler=LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
+        batcher=LMBatcher(
             data / "token_ids" / "train",
             config.batch_size,
             config.unroll_steps,
@@ -434,9 +437,9 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
             rank=ddp.rank,
             world=ddp.world,
         ),
-        NullTracker(),
-        steps_per_epoch,
-        config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
+        tracker=NullTracker(),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
     )
     found = load_newest_valid(out) if config.resume else None
     if found is not None:
@@ -445,35 +448,42 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     elif config.resume:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
-        out.mkdir(parents=True, exist_ok=True)
-        run.tracker = tracker or (
-            MLflowTracker(
-                config.mlflow_experiment,
-                run_name=out.name,
-                tracking_uri=config.tracking_uri,
-                run_id=run.tracker.run_id,
-                tags={"elmo.stage": "train"},
-            )
-            if config.tracking == "mlflow"
-            else NullTracker()
-        )
-        run.tracker.log_params(
-            {
-                "config": config.model_dump(mode="json"),
-                "architecture": bilm.config.model_dump(mode="json"),
-                "data": {
-                    "vocab_size": len(vocab),
-                    "n_train_tokens": config.n_train_tokens or n_data_tokens,
-                    "steps_per_epoch": steps_per_epoch,
-                    "world_size": ddp.world,
-                    "sparse_softmax": sparse,
-                    "device": str(device),
-                    "precision": run.precision,
-                },
-            }
-        )
-        write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
+        _start_tracking(run, tracker, n_data_tokens, sparse)
     return run
+
+
+def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, sparse: bool) -> None:
+    """Rank 0: the tracker (MLflow unless ``tracking: none``; a resumed run continues its MLflow run), the run's
+    params, and config.json in the run folder."""
+    config, out, ddp = run.config, run.out, run.ddp
+    out.mkdir(parents=True, exist_ok=True)
+    run.tracker = tracker or (
+        MLflowTracker(
+            config.mlflow_experiment,
+            run_name=out.name,
+            tracking_uri=config.tracking_uri,
+            run_id=run.tracker.run_id,
+            tags={"elmo.stage": "train"},
+        )
+        if config.tracking == "mlflow"
+        else NullTracker()
+    )
+    run.tracker.log_params(
+        {
+            "config": config.model_dump(mode="json"),
+            "architecture": run.bilm.config.model_dump(mode="json"),
+            "data": {
+                "vocab_size": len(run.vocab),
+                "n_train_tokens": config.n_train_tokens or n_data_tokens,
+                "steps_per_epoch": run.steps_per_epoch,
+                "world_size": ddp.world,
+                "sparse_softmax": sparse,
+                "device": str(run.device),
+                "precision": run.precision,
+            },
+        }
+    )
+    write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
 
 
 # ----- checkpoints: every key named once --------------------------------------------------------------
@@ -493,12 +503,12 @@ class RankState:
     def capture(cls, run: Run) -> RankState:
         state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
         return cls(
-            run.sampler.state_dict(),
-            json.dumps(run.batcher.state_dict()),
-            torch.get_rng_state(),
-            torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-            tuple(s.detach().cpu() for s in state),
-        )  # type: ignore[arg-type]
+            sampler=run.sampler.state_dict(),
+            batcher=json.dumps(run.batcher.state_dict()),
+            torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+            lstm_state=tuple(s.detach().cpu() for s in state),  # type: ignore[arg-type]
+        )
 
     def apply(self, run: Run) -> None:
         run.sampler.load_state_dict(self.sampler)
@@ -526,11 +536,11 @@ class Checkpoint:
 
     def rank(self, rank: int) -> RankState:
         return RankState(
-            self.samplers[rank],
-            self.batchers[rank],
-            self.torch_rng[rank],
-            self.cuda_rng[rank] if self.cuda_rng else None,
-            self.lstm_states[rank],
+            sampler=self.samplers[rank],
+            batcher=self.batchers[rank],
+            torch_rng=self.torch_rng[rank],
+            cuda_rng=self.cuda_rng[rank] if self.cuda_rng else None,
+            lstm_state=self.lstm_states[rank],
         )
 
     def payload(self) -> dict[str, Any]:
@@ -543,16 +553,16 @@ def save(run: Run) -> Path | None:
     if not run.ddp.main:
         return None
     checkpoint = Checkpoint(
-        run.step,
-        run.config.model_dump_json(),
-        run.tracker.run_id or "",
-        {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
-        run.optimizer.state_dict(),
-        [r.sampler for r in ranks],
-        [r.batcher for r in ranks],
-        [r.torch_rng for r in ranks],
-        [r.cuda_rng for r in ranks if r.cuda_rng is not None],
-        [r.lstm_state for r in ranks],
+        step=run.step,
+        config=run.config.model_dump_json(),
+        run_id=run.tracker.run_id or "",
+        model={k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
+        optimizer=run.optimizer.state_dict(),
+        samplers=[r.sampler for r in ranks],
+        batchers=[r.batcher for r in ranks],
+        torch_rng=[r.torch_rng for r in ranks],
+        cuda_rng=[r.cuda_rng for r in ranks if r.cuda_rng is not None],
+        lstm_states=[r.lstm_state for r in ranks],
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
@@ -702,7 +712,15 @@ def finish(run: Run) -> TrainResult:
         if final is not None:
             run.tracker.log_artifact(final, "checkpoint")
         model_uri = run.tracker.log_model_dir(model_dir, run.config.register_as)
-    return TrainResult(run.step, run.loss, perplexity, model_dir, run.tracker.run_id, model_uri, run.history)
+    return TrainResult(
+        steps=run.step,
+        final_loss=run.loss,
+        perplexity=perplexity,
+        model_dir=model_dir,
+        run_id=run.tracker.run_id,
+        model_uri=model_uri,
+        history=run.history,
+    )
 
 
 # ----- the loop ---------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ import shutil
 import pytest
 import torch
 
-from elmo_core import BiLM, fused_gates
+from elmo_core import BiLM
 from elmo_core.config import tiny
+from elmo_core.kernels import fused_gates
 from elmo_core.model import init_bilm_tf
 from tests.helpers import assert_same_vectors
 
@@ -26,7 +27,7 @@ def _random_model(**lstm) -> BiLM:
 
 
 def _reference(z: torch.Tensor, c: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """model._Cell.gates: TensorFlow's LSTMCell with the cell clipped."""
+    """model.LstmCell.gates: TensorFlow's LSTMCell with the cell clipped."""
     h = z.shape[-1] // 4
     sig = torch.sigmoid(z)
     c = sig[..., h : 2 * h] * c + sig[..., :h] * torch.tanh(z[..., 2 * h : 3 * h])
@@ -126,19 +127,19 @@ def test_off_without_a_compiler_or_when_asked_and_the_model_still_runs(monkeypat
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_with_the_kernel_gives_the_pytorch_numbers(monkeypatch, packed):
     """Both inference kernels, with the products on bmm and on packed weights, as rows drop out step by step."""
-    import elmo_core.model as model_module
-    import elmo_core.packed as packed_module
-
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())
-    monkeypatch.setattr(packed_module, "MIN_ELEMENTS", 0 if packed else 1 << 62)
+    min_packed = 0 if packed else None  # the tiny model's weights are far below the size where packing pays
     bilm = _random_model(cell_clip=3.0, proj_clip=3.0)
     sentences = [s * 3 for s in SENTENCES]
     calls: list[tuple] = []
     kernel = fused_gates.lstm_gates
     monkeypatch.setattr(fused_gates, "lstm_gates", lambda *a, **k: calls.append(a) or kernel(*a, **k))
-    fused = {p: bilm.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}
+    fused = {}
+    for precision in ("fp32", "bf16"):
+        assert bilm.prepare(precision, min_packed=min_packed).gate_kernel
+        fused[precision] = bilm.embed_sentences(sentences, precision=precision)
     assert len(calls) == 2 * 2 * (24 + 2)  # precisions x layers x steps of the longest sentence: the kernel ran
-    monkeypatch.setattr(model_module.fused_gates, "available", lambda: False)
     for precision, vectors in fused.items():
+        assert not bilm.prepare(precision, min_packed=min_packed, gate_kernel=False).gate_kernel
         assert_same_vectors(vectors, bilm.embed_sentences(sentences, precision=precision), precision, fp32_atol=2e-6)

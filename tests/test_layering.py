@@ -13,19 +13,19 @@ LAYERS = [
     "errors",
     "fileio",
     "progress",
-    "precision",
-    "packed",
-    "fused_gates",  # plumbing
+    "precision",  # plumbing
     "chars",
     "config",
     "tokenize",
     "wordnet",
-    "options",  # ids, the model config, WordNet's files, every stage's options
+    "options",
+    "vocab_file",  # ids, the model config, WordNet's files, every stage's options
     "ingest",
     "vocab",
     "batches",  # text → Parquet → DuckDB vocab → batches
     "weights",
     "inference",
+    "kernels",  # the speed kernels of CPU inference, a package of their own (KERNELS below)
     "model",
     "__init__",  # weight files, running over sentences, the network
     "softmax",
@@ -39,6 +39,13 @@ LAYERS = [
     "mlflow_model",
     "cli",  # entry points
 ]
+
+
+# inside the subpackages, bottom up likewise
+PACKAGES = {
+    "kernels": ["cache", "packed", "fused_gates", "cells", "choice", "__init__"],
+    "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
+}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -59,15 +66,39 @@ def _imported_modules(path: Path) -> set[str]:
     return found
 
 
+def _source(module: str) -> list[Path]:
+    package = ROOT / "elmo_core" / module
+    return sorted(package.glob("*.py")) if package.is_dir() else [ROOT / "elmo_core" / f"{module}.py"]
+
+
 def test_every_module_has_a_layer():
-    assert sorted(p.stem for p in (ROOT / "elmo_core").glob("*.py")) == sorted(LAYERS)
+    top = {p.stem for p in (ROOT / "elmo_core").glob("*.py")} | {
+        p.parent.name for p in (ROOT / "elmo_core").glob("*/__init__.py")
+    }
+    assert sorted(top) == sorted(LAYERS)
+    for package, modules in PACKAGES.items():
+        assert sorted(p.stem for p in (ROOT / "elmo_core" / package).glob("*.py")) == sorted(modules)
 
 
 def test_lower_modules_never_import_higher_ones():
     for module in LAYERS:
         allowed = set(LAYERS[: LAYERS.index(module)])
-        upward = _imported_modules(ROOT / "elmo_core" / f"{module}.py") - allowed - {module}
-        assert not upward, f"elmo_core/{module}.py imports {sorted(upward)}, which sit above it in LAYERS"
+        for path in _source(module):
+            upward = _imported_modules(path) - allowed - {module}
+            assert not upward, f"{path.relative_to(ROOT)} imports {sorted(upward)}, which sit above it in LAYERS"
+
+
+def test_inside_a_package_lower_modules_never_import_higher_ones():
+    for package, modules in PACKAGES.items():
+        prefix = f"elmo_core.{package}"
+        for module in modules:
+            allowed = set(modules[: modules.index(module)])
+            for node in ast.walk(ast.parse((ROOT / "elmo_core" / package / f"{module}.py").read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix):
+                    inner = node.module[len(prefix) + 1 :]
+                    names = [inner.split(".")[0]] if inner else [a.name for a in node.names]
+                    upward = set(names) - allowed - {module}
+                    assert not upward, f"elmo_core/{package}/{module}.py imports {sorted(upward)}, above it"
 
 
 def test_weights_never_builds_a_model():
@@ -85,7 +116,7 @@ def test_elmo_core_imports_without_prefect_or_mlflow():
 
 
 def test_no_module_of_elmo_core_imports_flows_or_prefect():
-    for path in (ROOT / "elmo_core").glob("*.py"):
+    for path in (ROOT / "elmo_core").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = (

@@ -9,7 +9,7 @@ import torch
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
 from elmo_core.inference import StateCarry
-from elmo_core.model import init_bilm_tf, reverse_padded
+from elmo_core.model import Packing, init_bilm_tf
 from tests.helpers import assert_same_vectors
 
 SENTENCES = [
@@ -146,13 +146,13 @@ def test_fused_path_refuses_clipping():
         BiLM(tiny(), use_fused=True)
 
 
-def test_reverse_padded_is_per_row_and_self_inverse():
-    x = torch.arange(12).view(2, 6, 1).float()
-    lengths = torch.tensor([4, 6])
-    r = reverse_padded(x, lengths)
-    assert r[0, :, 0].tolist() == [3, 2, 1, 0, 4, 5]
-    assert r[1, :, 0].tolist() == [11, 10, 9, 8, 7, 6]
-    assert torch.equal(reverse_padded(r, lengths), x)
+def test_the_backward_lstm_reads_each_row_reversed_within_its_length():
+    index = torch.arange(12).view(2, 6)
+    packing = Packing.of(torch.tensor([4, 6]))
+    forward, backward = packing.read(index, None)
+    rows, steps = (packing.position(torch.tensor([r] * n), torch.arange(n)) for r, n in ((0, 4), (1, 6)))
+    assert backward[rows].tolist() == [3, 2, 1, 0] and backward[steps].tolist() == [11, 10, 9, 8, 7, 6]
+    assert forward[rows].tolist() == [0, 1, 2, 3] and forward[steps].tolist() == [6, 7, 8, 9, 10, 11]
 
 
 def test_gradients_flow_in_training_mode():
@@ -177,53 +177,64 @@ def test_char_cnn_truncation_keeps_the_max_exact():
     assert torch.allclose(fast, full, atol=1e-6, rtol=0)
 
 
-def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model, monkeypatch):
-    import elmo_core.model as model_module
-
+def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model):
     ids = batch_to_ids(SENTENCES)
-    with torch.no_grad():
-        fast = model(ids)["activations"]
-        monkeypatch.setattr(model_module, "CACHE_INFERENCE_WEIGHTS", False)
-        plain = model(ids)["activations"]
+    prepared = model.kernels
+    assert prepared is not None and prepared.cpu_cells  # from_pretrained prepares the CPU kernels
+    try:
+        with torch.no_grad():
+            fast = model(ids)["activations"]
+            model.kernels = None  # the reference cell
+            plain = model(ids)["activations"]
+    finally:
+        model.kernels = prepared
     for x, y in zip(fast, plain):
         assert torch.allclose(x, y, atol=1e-6)
 
 
-def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model, monkeypatch):
+def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model):
     """The oneDNN-packed per-step products (packed.py) are the same products as bmm, as rows drop out step by step."""
-    import elmo_core.model as model_module
-    import elmo_core.packed as packed_module
+    from elmo_core.kernels import packed as packed_module
 
     assert packed_module.packing_available() == torch.backends.mkldnn.is_available()  # never silently off
-    monkeypatch.setattr(packed_module, "MIN_ELEMENTS", 0)  # the fixture's weights are far below the size that pays
     sentences = [s * 3 for s in SENTENCES]  # 15, 6 and 33 tokens: the active rows shrink twice
-    packed = {p: model.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}
-    monkeypatch.setattr(model_module, "worth_packing", lambda weights: False)
-    for precision, vectors in packed.items():
-        assert_same_vectors(vectors, model.embed_sentences(sentences, precision=precision), precision, fp32_atol=1e-5)
+    prepared = model.kernels
+    try:
+        packed = {}
+        for precision in ("fp32", "bf16"):  # the fixture's weights are far below the size that pays: force it
+            assert "yes (hh, hr, cat)" in str(model.prepare(precision, min_packed=0))
+            packed[precision] = model.embed_sentences(sentences, precision=precision)
+        for precision, vectors in packed.items():
+            assert "packed for oneDNN no" in str(model.prepare(precision, min_packed=None))
+            assert_same_vectors(vectors, model.embed_sentences(sentences, precision=precision), precision, 1e-5)
+    finally:
+        model.kernels = prepared
 
 
-def test_token_encoder_bf16_weights_cast_once_give_autocast_s_numbers(model, monkeypatch):
-    import elmo_core.model as model_module
-
+def test_token_encoder_bf16_weights_cast_once_give_autocast_s_numbers(model):
     ids = batch_to_ids(SENTENCES).view(-1, 50)
     encoder = model.token_encoder
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        cached = encoder(ids)
-        assert encoder.highways[0].carry._derived_weights["bf16"][1][0].dtype == torch.bfloat16
-        monkeypatch.setattr(model_module, "CACHE_INFERENCE_WEIGHTS", False)
-        cast_per_call = encoder(ids)
+    kernels = model.prepare("bf16")
+    try:
+        with torch.no_grad():
+            cached = kernels.token_encoder(encoder)(ids)
+            assert kernels.token_encoder(encoder) is kernels.token_encoder(encoder)  # made once
+            assert kernels.token_encoder(encoder).highways[0].carry.weight.dtype == torch.bfloat16
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                cast_per_call = encoder(ids)
+    finally:
+        model.prepare("fp32")
     assert cached.dtype == torch.bfloat16 and torch.equal(cached, cast_per_call)
 
 
 def test_elmo_lstm_rows_of_length_zero_keep_their_state():
     bilm = _random_model(seed=6)
-    lstm = bilm.lstm
-    x = torch.randn(3, 4, 16)
-    state = tuple(torch.randn_like(s) for s in lstm.zero_state(3, torch.device("cpu")))
+    ids = batch_to_ids([["a", "b", "c", "d"], [], ["e", "f"]])  # no boundaries added with two streams
+    state = tuple(torch.randn_like(s) for s in bilm.lstm.zero_state(3, torch.device("cpu")))
     with torch.no_grad():
-        outputs, (h, c) = lstm((x, x), torch.tensor([4, 0, 2]), state)
+        out = bilm(ids, state, backward_inputs=ids)
+    outputs, (h, c) = out["activations"][1:], out["state"]
     assert torch.equal(h[:, :, 1], state[0][:, :, 1]) and torch.equal(c[:, :, 1], state[1][:, :, 1])
     assert not torch.allclose(h[:, :, 0], state[0][:, :, 0])
-    assert all(float(out[1].abs().max()) == 0.0 for pair in outputs for out in pair)
-    assert all(float(out[2, 2:].abs().max()) == 0.0 for pair in outputs for out in pair)
+    assert all(float(layer[1].abs().max()) == 0.0 for layer in outputs)
+    assert all(float(layer[2, 2:].abs().max()) == 0.0 for layer in outputs)

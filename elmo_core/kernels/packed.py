@@ -6,7 +6,8 @@ product itself at these row counts. Packing once per weight version and calling 
 weight measured 1.6x (fp32) and 1.3x (bf16) faster per step at 64 rows, and 2-5x at a handful of rows (the
 long sentences' tail). The numbers are the same products in the same precision (float32 accumulation both ways).
 
-``ELMO_NO_PACKED_WEIGHTS=1`` turns this off (plain ``bmm``), as does a torch build without oneDNN.
+``ELMO_NO_PACKED_WEIGHTS=1`` turns this off (plain ``bmm``), as does a torch build without oneDNN; which weights of a
+model get packed is decided once, by ``kernels.choose``.
 """
 
 from __future__ import annotations
@@ -38,20 +39,6 @@ def packing_available() -> bool:
     except (AttributeError, RuntimeError) as exc:  # an op renamed or missing in another torch build
         log.debug("oneDNN packed linear unavailable (%s); using bmm", exc)
         return False
-
-
-def describe(lstm_dim: int, projection_dim: int) -> str:
-    """Whether a model's recurrent weights (P x 4H per direction) get packed here, and if not why: for the logs."""
-    if not packing_available():
-        return "no (ELMO_NO_PACKED_WEIGHTS=1 or no oneDNN in this torch)"
-    if not worth_packing(projection_dim * 4 * lstm_dim):
-        return f"no (weights under {MIN_ELEMENTS:,} elements: bmm is as fast)"
-    return "yes"
-
-
-def worth_packing(elements: int) -> bool:
-    """Whether packing a weight of ``elements`` per direction pays: oneDNN is there and the weight is large."""
-    return packing_available() and elements >= MIN_ELEMENTS
 
 
 class PackedWeights:

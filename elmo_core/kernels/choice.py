@@ -1,0 +1,123 @@
+"""``Kernels``: what runs a prepared model's inference, chosen once (``choose``) and printable.
+
+``BiLM.prepare(precision)`` calls ``choose`` and keeps the result; every inference call then runs what it says.
+Training, and any call with gradients, runs the reference arithmetic of ``model.py`` whatever was chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from elmo_core.config import LstmConfig
+from elmo_core.kernels import fused_gates, packed
+from elmo_core.kernels.cache import WeightCache
+from elmo_core.kernels.cells import CpuCell
+from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, resolve_precision
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The inference kernels of one model on one device, in one precision.
+
+    ``cpu_cells``: the LSTM steps run ``cells.CpuCell`` (weights prepared once; else ``model.LstmCell``, the
+    reference, as on CUDA). ``min_packed``: weights of at least this many elements per direction run their per-step
+    products on oneDNN-packed copies (None: never). ``gate_kernel``: the gate arithmetic runs in C.
+    ``packed_weights`` names which of this model's weights that makes, for the log.
+    """
+
+    device: str
+    precision: str
+    cpu_cells: bool
+    min_packed: int | None = None
+    gate_kernel: bool = False
+    packed_weights: str = ""
+    gate_kernel_note: str = ""
+    cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        if not self.cpu_cells:
+            return f"precision {self.precision} on {self.device}: the reference LSTM cell (PyTorch ops, autocast)"
+        return (
+            f"precision {self.precision} on {self.device}: torch CPU kernels {cpu_capability()}, native bf16 "
+            f"{'yes' if cpu_has_native_bf16() else 'no'}, LSTM step weights packed for oneDNN {self.packed_weights}, "
+            f"LSTM gates fused in C {self.gate_kernel_note}"
+        )
+
+    def runs_on(self, device: torch.device) -> bool:
+        return device.type == self.device
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast context the model runs in: bf16 products where asked (and on the reference cell)."""
+        return autocast(self.device, self.precision)
+
+    def cell(self, pair: Sequence[nn.LSTM], clips: tuple[float | None, float | None]) -> CpuCell:
+        return CpuCell(
+            pair,
+            clips,
+            dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32,
+            cache=self.cache,
+            min_packed=self.min_packed,
+            gate_kernel=self.gate_kernel,
+        )
+
+    def token_encoder(self, encoder: nn.Module) -> nn.Module:
+        """The token encoder to run: in bf16 on the CPU, a bfloat16 copy made once per weight version (autocast
+        would cast the same weights on every call, about 2.5% of a small-shape bf16 call; the numbers are the same)."""
+        if not (self.cpu_cells and self.precision == "bf16"):
+            return encoder
+        return self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))
+
+
+def choose(
+    device: torch.device,
+    precision: str,
+    lstm: LstmConfig,
+    *,
+    cpu_cells: bool | None = None,
+    min_packed: int | None | str = "auto",
+    gate_kernel: bool | None = None,
+) -> Kernels:
+    """The kernels for a model of ``lstm``'s shape on ``device``: on the CPU the prepared cells, oneDNN-packed
+    products for weights from ``packed.MIN_ELEMENTS`` up, and the C gate kernel where it builds; on CUDA the
+    reference. Each choice can be forced (the tests run every combination); ``ELMO_NO_PACKED_WEIGHTS=1`` and
+    ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off."""
+    precision = resolve_precision(precision, device)
+    on_cpu = device.type == "cpu"
+    if not (on_cpu if cpu_cells is None else cpu_cells):
+        return Kernels(device.type, precision, cpu_cells=False)
+    if min_packed == "auto":
+        min_packed = packed.MIN_ELEMENTS if packed.packing_available() else None
+    elif min_packed is not None and not packed.packing_available():
+        min_packed = None
+    if gate_kernel is False:
+        gate_note = "no (not chosen)"
+    else:
+        gate_kernel, gate_note = fused_gates.available(), fused_gates.describe()
+    return Kernels(
+        device.type,
+        precision,
+        cpu_cells=True,
+        min_packed=min_packed,  # type: ignore[arg-type]
+        gate_kernel=gate_kernel,
+        packed_weights=_describe_packing(lstm, min_packed),  # type: ignore[arg-type]
+        gate_kernel_note=gate_note,
+    )
+
+
+def _describe_packing(lstm: LstmConfig, min_packed: int | None) -> str:
+    """Which of the model's per-step weights get packed, or why none: 'yes (hh, cat)', 'no (weights under …)'."""
+    if min_packed is None:
+        return "no (ELMO_NO_PACKED_WEIGHTS=1 or no oneDNN in this torch)"
+    p, h = lstm.projection_dim, lstm.dim
+    projects = p < h
+    sizes = {"hh": p * 4 * h, "hr": h * p if projects else 0, "cat": 2 * p * 4 * h}
+    chosen = [name for name, size in sizes.items() if size and size >= min_packed]
+    if not chosen:
+        return f"no (weights under {min_packed:,} elements: bmm is as fast)"
+    return f"yes ({', '.join(chosen)})"
