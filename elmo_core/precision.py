@@ -3,7 +3,7 @@ matmuls with float32 state.
 
 ``bf16`` runs the char CNN, highway, projection, the LSTM input and recurrent matmuls (and the softmax where
 used) in bfloat16 under ``torch.autocast``; accumulation happens in float32 inside the kernels, and the LSTM
-cell state, the gate arithmetic and the loss stay float32 (``model._Cell`` casts the gates up).
+cell state, the gate arithmetic and the loss stay float32 (``model.LstmCell`` casts the gates up).
 CPUs without native bf16 instructions still run it, more slowly; ``ELMO_ASSUME_NO_BF16=1`` makes this
 module report such a CPU (how the tests exercise that path on machines that have bf16).
 """

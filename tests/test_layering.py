@@ -130,3 +130,28 @@ def test_no_module_of_elmo_core_imports_flows_or_prefect():
                 assert not name.startswith(("flows", "prefect")), f"{path.name} imports {name}"
                 if name.startswith("mlflow"):
                     assert path.name in {"tracking.py", "mlflow_model.py"}, f"{path.name} imports {name}"
+
+
+def _modules_loaded_by(code: str) -> list[str]:
+    probe = (
+        f"import sys\n{code}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pyarrow', 'prefect', 'mlflow', 'flows')"
+        " or m in STAGES))"
+    )
+    stages = "STAGES = {'elmo_core.' + s for s in ('ingest', 'vocab', 'train', 'embed', 'probe', 'query', 'batches')}"
+    result = subprocess.run(
+        [sys.executable, "-c", stages + "\n" + probe], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_model_imports_without_the_data_stack():
+    """``from elmo_core import BiLM`` (and the kernels) load neither DuckDB, pyarrow, Prefect nor MLflow."""
+    assert _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.kernels") == []
+
+
+def test_elmo_help_imports_no_stage_module():
+    code = "import elmo_core.cli as cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass"
+    loaded = _modules_loaded_by(code)
+    assert not [m for m in loaded if m.startswith(("elmo_core.", "duckdb", "prefect", "mlflow"))], loaded
