@@ -60,6 +60,7 @@ class SentenceStream:
         self,
         files: list[Path],
         seed: int,
+        *,
         rank: int = 0,
         world: int = 1,
         shuffle: bool = True,
@@ -169,6 +170,7 @@ class LMBatcher:
         token_id_dir: str | Path,
         batch_size: int,
         unroll_steps: int,
+        *,
         seed: int = 0,
         rank: int = 0,
         world: int = 1,
@@ -183,11 +185,14 @@ class LMBatcher:
         chars = _CharTable(max_chars)
         self.loop = loop
         self.forward = _RowPacker(
-            SentenceStream(files, seed, rank, world, shuffle, loop), batch_size, unroll_steps, chars
+            SentenceStream(files, seed, rank=rank, world=world, shuffle=shuffle, loop=loop),
+            batch_size,
+            unroll_steps,
+            chars,
         )
         self.backward = (
             _RowPacker(
-                SentenceStream(files, seed + 7919, rank, world, shuffle, loop, reverse=True),
+                SentenceStream(files, seed + 7919, rank=rank, world=world, shuffle=shuffle, loop=loop, reverse=True),
                 batch_size,
                 unroll_steps,
                 chars,

@@ -18,7 +18,7 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -264,7 +264,13 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
         raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
     with tempfile.TemporaryDirectory() as tmp:
         write_token_ids(shards, bilm.vocab, Path(tmp))
-        result = evaluate(bilm, Path(tmp) / config.split, config.batch_size, 20, config.max_batches)
+        result = evaluate(
+            bilm,
+            Path(tmp) / config.split,
+            batch_size=config.batch_size,
+            unroll_steps=20,
+            max_batches=config.max_batches,
+        )
     print(
         f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
         f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens "
@@ -298,7 +304,12 @@ def cmd_query(config: QueryConfig) -> None:
     sid, index, text = store.locate(config.token, config.sentence, config.sentence_id)
     print(f"nearest to {config.token!r} (token {index}) in: {text}")
     for n in store.nearest_tokens(
-        config.token, config.sentence, config.sentence_id, config.k, config.layer, config.like
+        config.token,
+        text=config.sentence,
+        sentence_id=config.sentence_id,
+        k=config.k,
+        layer=config.layer,
+        like=config.like,
     ):
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
@@ -328,74 +339,108 @@ PROBE_COMMANDS: dict[str, tuple[type[Options], str, str]] = {
     ),
 }
 
-# name: (options model, handler, positional fields, one-line help, description with an example)
-COMMANDS: dict[str, tuple[type[Options], Callable[[Any], None], tuple[str, ...], str, str]] = {
-    "demo": (
-        DemoConfig,
-        cmd_demo,
-        (),
-        "embed the probe sentences and print a summary",
-        "Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the 'apple' contexts. "
-        "Example: elmo demo --model path/to/model_dir",
+
+class Command(NamedTuple):
+    """One ``elmo`` subcommand: its options model, what runs it, and its help."""
+
+    options: type[Options]
+    handler: Callable[[Any], None]
+    positional: tuple[str, ...]  # fields taken as positional arguments
+    help: str  # one line
+    description: str  # with an example
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command(
+        options=DemoConfig,
+        handler=cmd_demo,
+        positional=(),
+        help="embed the probe sentences and print a summary",
+        description=(
+            "Embed data/probes/apple.txt with a biLM and print throughput and the similarity of the 'apple' contexts. "
+            "Example: elmo demo --model path/to/model_dir"
+        ),
     ),
-    "ingest": (
-        IngestConfig,
-        cmd_ingest,
-        ("sources",),
-        "corpus files -> tokenized, deduplicated Parquet",
-        "Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL or Parquet "
-        "files, folders or globs; write OUT/part-*.parquet and OUT/_manifest.duckdb. Re-running skips files already "
-        "ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest",
+    "ingest": Command(
+        options=IngestConfig,
+        handler=cmd_ingest,
+        positional=("sources",),
+        help="corpus files -> tokenized, deduplicated Parquet",
+        description=(
+            "Read text (.txt, .gz, .bz2; one sentence per line, or paragraphs with --split-sentences), JSONL or "
+            "Parquet "
+            "files, folders or globs; write OUT/part-*.parquet and OUT/_manifest.duckdb. Re-running skips files "
+            "already "
+            "ingested. Example: elmo ingest corpus/*.txt.gz --out data/ingest"
+        ),
     ),
-    "vocab": (
-        VocabConfig,
-        cmd_vocab,
-        (),
-        "vocabulary, char ids and token ids in DuckDB",
-        "Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, corpus_stats to "
-        "--db, vocab.txt beside it, and token ids per split under token_ids/. "
-        "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3",
+    "vocab": Command(
+        options=VocabConfig,
+        handler=cmd_vocab,
+        positional=(),
+        help="vocabulary, char ids and token ids in DuckDB",
+        description=(
+            "Count tokens of an ingested dataset with DuckDB; write tables vocab, char_ids, token_counts, "
+            "corpus_stats to "
+            "--db, vocab.txt beside it, and token ids per split under token_ids/. "
+            "Example: elmo vocab --corpus data/ingest --db data/vocab/vocab.duckdb --min-count 3"
+        ),
     ),
-    "train": (
-        TrainConfig,
-        cmd_train,
-        (),
-        "train or fine-tune the biLM",
-        "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
-        "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
-        "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small",
+    "train": Command(
+        options=TrainConfig,
+        handler=cmd_train,
+        positional=(),
+        help="train or fine-tune the biLM",
+        description=(
+            "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
+            "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
+            "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small"
+        ),
     ),
-    "perplexity": (
-        PerplexityConfig,
-        cmd_perplexity,
-        (),
-        "full-softmax perplexity of a model on a corpus",
-        "Example: elmo perplexity --model data/train/model --corpus data/ingest",
+    "perplexity": Command(
+        options=PerplexityConfig,
+        handler=cmd_perplexity,
+        positional=(),
+        help="full-softmax perplexity of a model on a corpus",
+        description="Example: elmo perplexity --model data/train/model --corpus data/ingest",
     ),
-    "export": (
-        ExportConfig,
-        cmd_export,
-        (),
-        "checkpoint -> bilm-tf/AllenNLP model directory",
-        "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo",
+    "export": Command(
+        options=ExportConfig,
+        handler=cmd_export,
+        positional=(),
+        help="checkpoint -> bilm-tf/AllenNLP model directory",
+        description=(
+            "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo"
+        ),
     ),
-    "embed": (
-        EmbedConfig,
-        cmd_embed,
-        (),
-        "corpus -> contextual vectors in Parquet",
-        "Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per token (or per "
-        "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
-        "Example: elmo embed --model data/train/model --input data/ingest --out data/embed",
+    "embed": Command(
+        options=EmbedConfig,
+        handler=cmd_embed,
+        positional=(),
+        help="corpus -> contextual vectors in Parquet",
+        description=(
+            "Embed an ingested dataset (or text files, one sentence per line) with a biLM; write one row per token "
+            "(or per "
+            "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
+            "Example: elmo embed --model data/train/model --input data/ingest --out data/embed"
+        ),
     ),
-    "query": (
-        QueryConfig,
-        cmd_query,
-        ("embeddings",),
-        "nearest tokens-in-context / similar sentences with DuckDB",
-        "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'",
+    "query": Command(
+        options=QueryConfig,
+        handler=cmd_query,
+        positional=("embeddings",),
+        help="nearest tokens-in-context / similar sentences with DuckDB",
+        description=(
+            "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'"
+        ),
     ),
-    "info": (InfoConfig, cmd_info, ("model",), "describe a model directory", "Example: elmo info data/export"),
+    "info": Command(
+        options=InfoConfig,
+        handler=cmd_info,
+        positional=("model",),
+        help="describe a model directory",
+        description="Example: elmo info data/export",
+    ),
 }
 
 

@@ -150,6 +150,7 @@ def token_rows(
 def embed_sentences(
     bilm: Any,
     sentences: Sequence[Sequence[str]],
+    *,
     batch_size: int | None = None,
     stateful: bool = False,
     carry: StateCarry | None = None,

@@ -268,6 +268,7 @@ class ElmoLstm(nn.Module):
         ids: Tensor,
         packing: Packing,
         state: LstmState,
+        *,
         make_cell: Callable[[Sequence[nn.LSTM], Clips], Cell] = LstmCell,
         dropout: float = 0.0,
     ) -> tuple[list[Tensor], LstmState]:
@@ -627,7 +628,7 @@ class BiLM(nn.Module):
             if state is None:
                 state = self.lstm.zero_state(len(tokens.lengths), tokens.table.device, tokens.table.dtype)
             make_cell = kernels.cell if kernels is not None and kernels.cpu_cells else LstmCell
-            outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell, dropout)
+            outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell=make_cell, dropout=dropout)
         if layout == "tokens":
             slots, counts = packing.token_slots(tokens)
             layers = [slots.embeddings(tokens.table, ids), *(slots.unpack(out) for out in outputs)]

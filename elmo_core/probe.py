@@ -274,7 +274,7 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
     }
     metrics |= {f"wsd/acc/{n}": v for n, v in results["accuracy"].items()}
     metrics |= {f"wsd/acc_answerable/{n}": v for n, v in results["accuracy_answerable"].items()}
-    _finish(config, out, results, metrics, tracker, model_dir)
+    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=model_dir)
     return results
 
 
@@ -316,6 +316,7 @@ def train_probe(
     features: dict[str, torch.Tensor],
     labels: dict[str, torch.Tensor],
     layer: int | None,
+    *,
     n_tags: int,
     config: TagOptions,
     progress: Any,
@@ -384,7 +385,7 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
     epochs = epochs_to_run(int(labels["train"].numel()), config)
     with track("probe-tag", len(configurations) * epochs, "epochs") as progress:
         for name, layer in configurations.items():
-            best = train_probe(features, labels, layer, len(tagset), config, progress)
+            best = train_probe(features, labels, layer, n_tags=len(tagset), config=config, progress=progress)
             chosen[name] = best["epoch"]
             for split in evaluated:
                 gold, guess = labels[split].numpy(), best["guesses"][split].numpy()
@@ -414,7 +415,7 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
         metrics |= {f"tag/mix_weight/layer_{k}": w for k, w in enumerate(learned_mix["weights"])} | {
             "tag/gamma": learned_mix["gamma"]
         }
-    _finish(config, out, results, metrics, tracker, model_dir)
+    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=model_dir)
     return results
 
 
@@ -489,6 +490,7 @@ def _finish(
     config: WsdConfig | TagConfig,
     out: Path,
     results: dict[str, Any],
+    *,
     metrics: dict[str, float],
     tracker: Tracker | None,
     model_dir: Path,

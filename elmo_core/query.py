@@ -77,6 +77,7 @@ class EmbeddingStore:
     def nearest_tokens(
         self,
         token: str,
+        *,
         text: str | None = None,
         sentence_id: str | None = None,
         k: int = 10,

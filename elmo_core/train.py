@@ -128,6 +128,7 @@ class LMObjective(nn.Module):
 def evaluate(
     bilm: BiLM,
     token_id_dir: str | Path,
+    *,
     batch_size: int = 64,
     unroll_steps: int = 20,
     max_batches: int | None = None,
@@ -687,7 +688,12 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
         return {}
     config = run.config
     result = evaluate(
-        run.bilm, heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches, run.unigram_counts
+        run.bilm,
+        heldout,
+        batch_size=config.eval_batch_size,
+        unroll_steps=config.unroll_steps,
+        max_batches=config.eval_max_batches,
+        unigram_counts=run.unigram_counts,
     )
     run.tracker.log_metrics({f"heldout_{k}": v for k, v in result.items()}, run.step)
     log.info("step %d %s", run.step, describe_perplexity(result))

@@ -144,7 +144,7 @@ def record_failure(con: duckdb.DuckDBPyConnection, entry: FileEntry, error: str)
 
 
 def commit_file(
-    con: duckdb.DuckDBPyConnection, entry: FileEntry, tmp: Path, shard: Path, hashes: np.ndarray, dedup: bool
+    con: duckdb.DuckDBPyConnection, entry: FileEntry, *, tmp: Path, shard: Path, hashes: np.ndarray, dedup: bool
 ) -> None:
     """Rename the finished shard into place, then record its hashes and the file in one DuckDB transaction.
 

@@ -138,7 +138,7 @@ def _ingest_file(run: _Ingest, path: Path, label: str) -> None:
     log.info("%s %s (%s, %.1f MB)", label, path, fmt, stat.st_size / 1e6)
     tmp = temp_path(shard)
     try:
-        hashes = write_shard(path, entry.key, fmt, run.config, tmp, con, stats)
+        hashes = write_shard(path, entry.key, fmt=fmt, config=run.config, tmp=tmp, con=con, stats=stats)
     except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
         tmp.unlink(missing_ok=True)
         summary.files_failed += 1
@@ -146,7 +146,7 @@ def _ingest_file(run: _Ingest, path: Path, label: str) -> None:
         log.error("%s", exc)
         record_failure(con, entry, str(exc))
         return
-    commit_file(con, entry, tmp, shard, hashes, run.config.dedup)
+    commit_file(con, entry, tmp=tmp, shard=shard, hashes=hashes, dedup=run.config.dedup)
     summary.add(stats, tokens=_token_count(shard) if stats.sentences else 0, bytes_read=stat.st_size)
     for example in stats.examples:
         log.warning("%s", example)

@@ -116,7 +116,14 @@ class _ShardWriter:
     BATCH = 20_000
 
     def __init__(
-        self, path: Path, key: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
+        self,
+        path: Path,
+        key: str,
+        *,
+        config: IngestConfig,
+        tmp: Path,
+        con: duckdb.DuckDBPyConnection,
+        stats: FileStats,
     ) -> None:
         self.key, self.config, self.stats, self.source, self.con = key, config, stats, str(path), con
         self.tokenize = get_tokenizer(config.tokenizer)
@@ -272,10 +279,10 @@ class _ShardWriter:
 
 
 def write_shard(
-    path: Path, key: str, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
+    path: Path, key: str, *, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
 ) -> np.ndarray:
     """Tokenize and dedup one file into ``tmp``; returns the kept sentences' hashes."""
-    writer = _ShardWriter(path, key, config, tmp, con, stats)
+    writer = _ShardWriter(path, key, config=config, tmp=tmp, con=con, stats=stats)
     try:
         if fmt == "text" and not config.split_sentences:
             for before, data, ends in _line_blocks(path, stats):
