@@ -148,7 +148,9 @@ def _modules_loaded_by(code: str) -> list[str]:
 
 def test_the_model_imports_without_the_data_stack():
     """``from elmo_core import BiLM`` (and the kernels) load neither DuckDB, pyarrow, Prefect nor MLflow."""
-    assert _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.kernels") == []
+    assert (
+        _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.kernels") == []
+    )
 
 
 def test_elmo_help_imports_no_stage_module():
