@@ -25,8 +25,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 from elmo_core.config import load_config_file
-from elmo_core.errors import ConfigError, ElmoError
+from elmo_core.errors import ConfigError, ElmoError, InputError
 from elmo_core.options import (
+    AllennlpElmoConfig,
     DemoConfig,
     EmbedConfig,
     ExportConfig,
@@ -325,6 +326,40 @@ def cmd_probe(kind: str, config: Options) -> None:
     )
 
 
+def cmd_allennlp_elmo(config: AllennlpElmoConfig) -> None:
+    import torch
+
+    from elmo_core.allennlp import DEFAULT_OPTIONS_FILE, DEFAULT_WEIGHT_FILE, ElmoEmbedder
+
+    embedder = ElmoEmbedder(
+        config.options_file or DEFAULT_OPTIONS_FILE,
+        config.weight_file or DEFAULT_WEIGHT_FILE,
+        config.cuda_device,
+        stateful=config.stateful,
+        precision=config.precision,
+    )
+    try:
+        source = open(config.input_file, encoding="utf-8")  # noqa: SIM115  (embed_file closes it, as AllenNLP's)
+    except FileNotFoundError:
+        raise InputError(f"{config.input_file}: no such file") from None
+    started = time.perf_counter()
+    with torch.no_grad():
+        embedder.embed_file(
+            source,
+            config.output_file,
+            config.output_format,
+            config.batch_size,
+            forget_sentences=config.forget_sentences,
+            use_sentence_keys=config.use_sentence_keys,
+        )
+    with open(config.input_file, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    print(
+        f"allennlp-elmo: {n:,} sentences ({config.output_format}) in {time.perf_counter() - started:.1f} s "
+        f"-> {config.output_file}"
+    )
+
+
 # kind: (options model, one-line help, description with an example); ``elmo probe KIND`` runs ``probe.run_KIND``
 PROBE_COMMANDS: dict[str, tuple[type[Options], str, str]] = {
     "wsd": (
@@ -441,6 +476,17 @@ COMMANDS: dict[str, Command] = {
         help="describe a model directory",
         description="Example: elmo info data/export",
     ),
+    "allennlp-elmo": Command(
+        options=AllennlpElmoConfig,
+        handler=cmd_allennlp_elmo,
+        positional=("input_file", "output_file"),
+        help="AllenNLP 0.9's `allennlp elmo`: sentences -> HDF5 (--all, --top or --average)",
+        description=(
+            "Embed whitespace-tokenized sentences, one a line, into HDF5 datasets keyed by line number, as "
+            "`allennlp elmo` did (plus sentence_to_index). Example: elmo allennlp-elmo sentences.txt out.hdf5 --top "
+            "--options-file options.json --weight-file weights.hdf5"
+        ),
+    ),
 }
 
 
@@ -452,6 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, description=description)
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model, positional)
+        if model is AllennlpElmoConfig:  # `allennlp elmo`'s own spelling of --output-format
+            for kind in ("all", "top", "average"):
+                description = model.model_fields["output_format"].description
+                command.add_argument(
+                    f"--{kind}",
+                    dest="output_format",
+                    action="store_const",
+                    const=kind,
+                    default=argparse.SUPPRESS,
+                    help=f"{description}: as --output-format {kind}",
+                )
     probe = sub.add_parser(
         "probe",
         help="judge a model: word-sense 1-NN and a tagging probe, per layer",

@@ -283,6 +283,24 @@ class InfoConfig(Options):
     model: str = Field(description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI")
 
 
+class AllennlpElmoConfig(Options):
+    """AllenNLP 0.9's ``allennlp elmo`` command: sentences, one a line, into HDF5 (``allennlp.ElmoEmbedder``)."""
+
+    input_file: str = Field(description="whitespace-tokenized sentences, one a line")
+    output_file: str = Field(description="the HDF5 file to write")
+    output_format: Literal["all", "top", "average"] = Field(
+        "all", description="the three layers (3, n, D), the top one (n, D) or their average (n, D)"
+    )
+    options_file: str | None = Field(None, description="the biLM's options.json (default: AllenNLP's original model)")
+    weight_file: str | None = Field(None, description="its weights.hdf5")
+    batch_size: int = Field(64, gt=0, description="sentences per batch (at most; stateless batches sort by length)")
+    cuda_device: int = Field(-1, description="GPU index, -1 for the CPU")
+    forget_sentences: bool = Field(False, description="leave out the sentence_to_index dataset")
+    use_sentence_keys: bool = Field(False, description="key datasets by the sentence instead of its line number")
+    stateful: bool = Field(False, description="carry the LSTM state from batch to batch, as AllenNLP did")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 (exact) or bf16 (faster)")
+
+
 class DemoConfig(Options):
     model: str | None = Field(
         None, description="model directory; default: the TF-trained fixture model in tests/fixtures"

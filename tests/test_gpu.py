@@ -42,3 +42,18 @@ def test_cudnn_fused_path_matches_general_on_cuda():
     with torch.no_grad():
         for x, y in zip(fused(ids)["activations"], general(ids)["activations"]):
             assert torch.allclose(x, y, atol=1e-4)
+
+
+def test_allennlp_drop_in_on_cuda_matches_the_cpu(allennlp_dir):
+    from elmo_core.allennlp import Elmo, ElmoEmbedder, batch_to_ids
+
+    files = str(allennlp_dir / "options.json"), str(allennlp_dir / "lm_weights.hdf5")
+    cpu, gpu = ElmoEmbedder(*files), ElmoEmbedder(*files, cuda_device=0)
+    for a, b in zip(cpu.embed_batch(SENTENCES), gpu.embed_batch(SENTENCES)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    elmo = Elmo(*files, 1, dropout=0.0)
+    ids = batch_to_ids(SENTENCES)
+    with torch.no_grad():
+        on_cpu = elmo(ids)["elmo_representations"][0]
+        on_gpu = elmo.to("cuda")(ids.cuda())["elmo_representations"][0]
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-4, rtol=0)

@@ -37,6 +37,7 @@ LAYERS = [
     "query",
     "corpus",  # embeddings, queries, the default corpus
     "mlflow_model",
+    "allennlp",  # AllenNLP's ELMo surface on this project
     "cli",  # entry points
 ]
 
@@ -45,6 +46,7 @@ LAYERS = [
 PACKAGES = {
     "kernels": ["cache", "packed", "fused_gates", "cells", "choice", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
+    "allennlp": ["keys", "modules", "commands", "__init__"],
 }
 
 
@@ -150,6 +152,13 @@ def test_the_model_imports_without_the_data_stack():
     """``from elmo_core import BiLM`` (and the kernels) load neither DuckDB, pyarrow, Prefect nor MLflow."""
     assert (
         _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.kernels") == []
+    )
+
+
+def test_the_allennlp_drop_in_imports_without_the_data_stack():
+    assert (
+        _modules_loaded_by("import elmo_core.allennlp\nelmo_core.allennlp.install()\nimport allennlp.modules.elmo")
+        == []
     )
 
 
