@@ -287,7 +287,7 @@ def test_a_tagger_over_elmo_trains_and_the_bilm_learns_only_when_asked(files, re
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
     bilm_grads = [p.grad for n, p in tagger.named_parameters() if "_bilm" in n and p.requires_grad]
     assert bool(bilm_grads) == requires_grad and all(g is not None for g in bilm_grads)
@@ -423,3 +423,53 @@ def test_the_bilm_s_weights_match_ours_key_for_key(files):
     ours = {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax")}
     for key, value in back._bilm.state_dict().items():
         assert torch.allclose(value, ours[key], atol=1e-7), key
+
+
+def test_install_changes_nothing_where_allennlp_is_importable_and_says_so_once(tmp_path):
+    """A package named allennlp on the path (as an installed AllenNLP would be): it stays the one imported."""
+    (tmp_path / "allennlp").mkdir()
+    (tmp_path / "allennlp" / "__init__.py").write_text("REAL = True\n")
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.WARNING); sys.path.insert(0, sys.argv[1])\n"
+        "import elmo_core.allennlp as drop_in\n"
+        "assert drop_in.install() is False and drop_in.install() is False\n"
+        "import allennlp; assert allennlp.REAL and 'allennlp.modules' not in sys.modules; print('kept')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "kept" in result.stdout and result.stderr.count("AllenNLP is installed") == 1
+
+
+def test_without_gradients_the_fast_kernels_run_and_with_them_the_reference(files, monkeypatch):
+    from elmo_core.kernels import fused_gates
+
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    calls: list[int] = []
+    kernel = fused_gates.lstm_gates
+    monkeypatch.setattr(fused_gates, "lstm_gates", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    elmo = Elmo(*files, 1, dropout=0.0, requires_grad=True)
+    ids = batch_to_ids(SENTENCES)
+    with torch.no_grad():
+        fast = elmo(ids)["elmo_representations"][0]
+    assert calls  # the C gate kernel ran
+    calls.clear()
+    exact = elmo(ids)["elmo_representations"][0]
+    assert not calls and exact.requires_grad  # the differentiable reference
+    assert torch.allclose(fast, exact.detach(), atol=1e-5)
+
+
+def test_an_all_padding_row_runs_its_boundaries_and_updates_its_state_as_allennlp_does(files):
+    """AllenNLP 2.10.1, run on this very case: the padding row's mask is [True, True, False] (``<S> </S>``) and its
+    carried state changes. The drop-in does the same."""
+    bilm = _ElmoBiLm(*files, stateful=True)
+    with torch.no_grad():
+        bilm(batch_to_ids([["a", "b"], ["c", "d", "e"]]))
+        before = [s.clone() for s in bilm._elmo_lstm._states]
+        ids = batch_to_ids([["x"], ["y"]])
+        ids[1] = 0
+        out = bilm(ids)
+    assert out["mask"][1].tolist() == [True, True, False]
+    assert all(not torch.equal(b[:, :, 1], a[:, :, 1]) for b, a in zip(before, bilm._elmo_lstm._states))
