@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import torch
 
 from elmo_core.errors import InputError, OutputError
-from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
 from elmo_core.inference import StateCarry, consecutive_batches, length_batches, token_rows
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM, ScalarMix
@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
 # options that do not change the table (where it runs, how it is batched, how a conflict is resolved)
-NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16"}
+NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16", "wait"}
+LOCK_NAME = "lock"  # in the work folder: the one-writer lock of OUT (fileio.FolderLock)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,13 @@ class Job:
 def work_dir(out: Path) -> Path:
     """The job's working folder, beside OUT: ``.<name>.elmo``."""
     return out.parent / f".{out.name}.elmo"
+
+
+def job_lock(config: EmbedConfig) -> FolderLock:
+    """The lock a job on ``config.out`` holds from ``prepare`` to ``finish`` (``with job_lock(config): ...``):
+    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``)."""
+    out = Path(config.out)
+    return FolderLock(work_dir(out) / LOCK_NAME, out, wait=config.wait)
 
 
 def model_id(model_dir: Path) -> str:
@@ -262,13 +270,14 @@ def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
 def prepare(config: EmbedConfig) -> Job:
     """Check the output folder, resolve the model (MLflow URIs too) and the input, plan the units, claim the folder.
 
-    Everything is checked before OUT is created or touched; a failed start leaves nothing behind.
+    Everything is checked before OUT is created or touched; a failed start leaves nothing behind. Call it under
+    ``job_lock(config)``: the check and the claim of the folder are then one step no other job can split.
     """
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: is a file; --out takes a folder (new, empty, or one this job wrote)")
     work = work_dir(out)
-    made_work = not work.exists()
+    made_work = not work.exists() or sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
     try:
         model_dir = resolve_model_dir(config.model, work / "model" if is_model_uri(config.model) else None)
         if not (model_dir / OPTIONS_NAME).exists():
@@ -292,6 +301,8 @@ def prepare(config: EmbedConfig) -> Job:
         if made_work:
             shutil.rmtree(work, ignore_errors=True)
         raise
+    for stale in target.glob(".part-*.tmp"):  # left by writers that died; no other job can be writing here
+        stale.unlink(missing_ok=True)
     if work.is_dir() and not any(work.iterdir()):
         work.rmdir()
     return Job(config, model_dir, identity["model_id"], units, target, out, work)
@@ -471,12 +482,13 @@ def embed(config: EmbedConfig, show_kernels: bool = False) -> EmbedSummary:
     ``show_kernels``: log the CPU kernel level and bf16 support, and print oneDNN's log of the first batch.
     """
     started = time.perf_counter()
-    job = prepare(config)
-    embedder = Embedder(config, job.model_dir, job.model_id, show_kernels)
-    results = []
-    with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
-        for unit in job.units:
-            result = embedder.embed_unit(unit, job.target)
-            results.append(result)
-            progress.advance(unit.tokens, f"{len(results)}/{len(job.units)} units")
-    return finish(job, results, time.perf_counter() - started)
+    with job_lock(config):
+        job = prepare(config)
+        embedder = Embedder(config, job.model_dir, job.model_id, show_kernels)
+        results = []
+        with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
+            for unit in job.units:
+                result = embedder.embed_unit(unit, job.target)
+                results.append(result)
+                progress.advance(unit.tokens, f"{len(results)}/{len(job.units)} units")
+        return finish(job, results, time.perf_counter() - started)

@@ -23,6 +23,36 @@ DEFAULT_TRACKING_URI = f"sqlite:///{PROJECT_ROOT / 'data' / 'mlflow.db'}"
 MODEL_ARTIFACT = "model"  # artifact path of the logged model; the bilm-tf files sit in its artifacts/elmo
 
 
+REACH_TIMEOUT_S = 5.0  # how long a tracking server may take to answer before a run is refused
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The store a run logs to: ``uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite file."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def check_reachable(uri: str | None = None) -> None:
+    """Refuse, in seconds and before any work, a tracking server that does not answer (MLflow itself would retry
+    for minutes): one line naming the URI and the way to run without it. Stores that are files pass."""
+    import urllib.error
+    import urllib.request
+
+    uri = resolve_tracking_uri(uri)
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=REACH_TIMEOUT_S):
+            return
+    except urllib.error.HTTPError:
+        return  # it answered: a server is there (a proxy may not expose /health)
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TrackingError(
+            f"tracking: no MLflow server answers at {uri} ({reason}); start it, point MLFLOW_TRACKING_URI or "
+            "tracking_uri elsewhere, or set tracking: none (--tracking none) to run without MLflow"
+        ) from None
+
+
 class Tracker(Protocol):
     run_id: str | None
 
@@ -77,7 +107,8 @@ class MLflowTracker:
         import mlflow
 
         self._mlflow = mlflow
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        uri = resolve_tracking_uri(tracking_uri)
+        check_reachable(uri)
         if uri.startswith("sqlite:///"):
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(uri)

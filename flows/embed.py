@@ -22,7 +22,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
-from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, prepare
+from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, job_lock, prepare
 from flows.common import progress_over, retry_unless_user_error, run_main, stage
 
 _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
@@ -98,23 +98,24 @@ def finish_embedding(
 def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     """Embed ``config.input`` with ``config.model`` into ``config.out`` (a rerun does only what is missing)."""
     started = time.perf_counter()
-    prepared = prepare_embedding(config)
-    units = prepared["units"]
-    get_run_logger().info("%d units to embed with %s", len(units), prepared["model_dir"])
-    futures = embed_unit.map(
-        unmapped(config),
-        unmapped(prepared["model_dir"]),
-        unmapped(prepared["model_id"]),
-        unmapped(prepared["target"]),
-        units,
-    )
-    tokens = {Unit(**u).name: u["tokens"] for u in units}
-    with progress_over("embed", sum(tokens.values()), "tokens") as progress:
-        for future in as_completed(futures):
-            done = future.result()
-            progress.advance(tokens[done["name"]], f"{done['name']}: {done['seconds']:.1f} s")
-    results = [f.result() for f in futures]
-    summary = finish_embedding(config, prepared, results, time.perf_counter() - started)
+    with job_lock(config):  # held by the flow's process for the job's life; its tasks may run anywhere
+        prepared = prepare_embedding(config)
+        units = prepared["units"]
+        get_run_logger().info("%d units to embed with %s", len(units), prepared["model_dir"])
+        futures = embed_unit.map(
+            unmapped(config),
+            unmapped(prepared["model_dir"]),
+            unmapped(prepared["model_id"]),
+            unmapped(prepared["target"]),
+            units,
+        )
+        tokens = {Unit(**u).name: u["tokens"] for u in units}
+        with progress_over("embed", sum(tokens.values()), "tokens") as progress:
+            for future in as_completed(futures):
+                done = future.result()
+                progress.advance(tokens[done["name"]], f"{done['name']}: {done['seconds']:.1f} s")
+        results = [f.result() for f in futures]
+        summary = finish_embedding(config, prepared, results, time.perf_counter() - started)
     print(summary["line"])
     return summary
 
