@@ -26,6 +26,7 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     query      DuckDB nearest-neighbour queries over embedding tables
     corpus     the default corpus (Python's pydoc topics)
     mlflow_model  an exported model as an MLflow pyfunc model
+    allennlp/  the drop-in for AllenNLP's ELMo: Elmo, ElmoEmbedder, their state-dict keys, install()
     cli        the ``elmo`` command, its flags generated from ``options``
 
 Plumbing below all of them: ``errors`` (one-line user errors), ``fileio`` (atomic writes, digests),

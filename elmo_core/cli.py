@@ -104,6 +104,8 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], position
             options["choices"] = [str(v) for v in typing.get_args(kind)]
         elif origin is list:
             (item,) = typing.get_args(kind)
+            if typing.get_origin(item) in (typing.Union, types.UnionType) and str in typing.get_args(item):
+                item = str  # e.g. sources: str | Source; on the command line, strings
             options.update(nargs="+", type=_scalar(item, False), metavar=_METAVARS.get(item, "VALUE"))
         elif isinstance(kind, type) and issubclass(kind, BaseModel):
             options.update(type=_structured, metavar="JSON|FILE")
@@ -118,17 +120,24 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], position
 
 
 def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
-    """The command's options: field defaults < ``--config`` file < flags, validated in one go."""
-    data: dict[str, Any] = load_config_file(args.config) if getattr(args, "config", None) else {}
-    data.update({name: value for name, value in vars(args).items() if name in model.model_fields})
+    """The command's options: field defaults < ``--config`` file < flags, validated in one go. An error names
+    the flag it came from, or the config file and the key as written there (``bad.json: batch_size: …``)."""
+    config_file = getattr(args, "config", None)
+    from_file: dict[str, Any] = load_config_file(config_file) if config_file else {}
+    from_flags = {name: value for name, value in vars(args).items() if name in model.model_fields}
+
+    def name(where: str) -> str:
+        top = where.split(".")[0]
+        if top in from_flags:
+            return _flag(top) + where[len(top) :]
+        if top in from_file:
+            return f"{config_file}: {where}"
+        return _flag(where) if where in model.model_fields else (where or "options")
+
     try:
-        return model.model_validate(data)
+        return model.model_validate({**from_file, **from_flags})
     except ValidationError as exc:
-        problems = describe_validation_error(
-            exc, lambda where: _flag(where) if where in model.model_fields else (where or "options")
-        )
-        source = f" (with {args.config})" if getattr(args, "config", None) else ""
-        raise ConfigError(problems + source) from None
+        raise ConfigError(describe_validation_error(exc, name)) from None
 
 
 # ----- the commands ---------------------------------------------------------------------------------------
@@ -232,7 +241,8 @@ def cmd_vocab(config: VocabConfig) -> None:
     print(
         f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens "
         f"({stats['train_types']:,} types); "
-        f"heldout OOV rate {100 * stats['heldout_oov_rate']:.2f}% -> {config.db}, {vocab_txt}"
+        f"OOV rate heldout {100 * stats['heldout_oov_rate']:.2f}% ({stats['heldout_tokens']:,.0f} tokens), "
+        f"test {100 * stats['test_oov_rate']:.2f}% ({stats['test_tokens']:,.0f} tokens) -> {config.db}, {vocab_txt}"
     )
 
 
@@ -491,11 +501,14 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elmo", description="Train, fine-tune and run ELMo biLMs.")
+    # no prefix abbreviations: `elmo ingest --split heldout` must never be read as --split-sentences
+    parser = argparse.ArgumentParser(
+        prog="elmo", description="Train, fine-tune and run ELMo biLMs.", allow_abbrev=False
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (and the kernels that ran)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (model, _, positional, help_text, description) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=description)
+        command = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False)
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model, positional)
         if model is AllennlpElmoConfig:  # `allennlp elmo`'s own spelling of --output-format
@@ -513,10 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
         "probe",
         help="judge a model: word-sense 1-NN and a tagging probe, per layer",
         description="Probes write results.json and chart.png to --out and log an MLflow run.",
+        allow_abbrev=False,
     )
     kinds = probe.add_subparsers(dest="kind", required=True)
     for name, (model, help_text, description) in PROBE_COMMANDS.items():
-        command = kinds.add_parser(name, help=help_text, description=description)
+        command = kinds.add_parser(name, help=help_text, description=description, allow_abbrev=False)
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model)
     return parser

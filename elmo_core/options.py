@@ -66,6 +66,18 @@ def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
 # ----- ingest ------------------------------------------------------------------------------------------
 
 
+SPLITS = ("train", "heldout", "test")  # every split a dataset may hold
+SourceSplit = Literal["auto", "train", "heldout", "test"]
+Layout = Literal["auto", "none", "1b-word", "flair"]
+
+
+class Source(Options):
+    """One source with the split its sentences go to (``auto``: the hash split, or the records' ``split_field``)."""
+
+    path: str = Field(description="a file, folder (recursive) or glob pattern")
+    split: SourceSplit = Field("auto", description="auto, train, heldout or test")
+
+
 class IngestOptions(Options):
     tokenizer: TokenizerName = Field(
         "whitespace",
@@ -79,10 +91,28 @@ class IngestOptions(Options):
     heldout_fraction: float = Field(
         0.01, ge=0.0, le=1.0, description="share of sentences drawn (by a hash of their text) for the heldout split"
     )
+    split: SourceSplit = Field(
+        "auto",
+        description="the split of these sources' sentences: auto (by --split-field, else the hash split by "
+        "--heldout-fraction), or all of them train, heldout or test",
+    )
+    split_field: str | None = Field(
+        None, description="JSONL field / Parquet column naming each record's split (train, heldout/valid/dev, test)"
+    )
+    layout: Layout = Field(
+        "auto",
+        description="a folder laid out as the 1B Word Benchmark (training-/heldout-monolingual…) or as Flair's "
+        "corpora (train/, valid.txt, test.txt) ingests with those splits: auto (detected and announced), none, "
+        "1b-word or flair",
+    )
+    drop_overlap: bool = Field(
+        False, description="drop from train the sentences that a heldout or test source of the same run also holds"
+    )
     max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
     dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
     memory_limit: str = Field("2GB", description="DuckDB memory limit")
     row_group_size: int = Field(50_000, gt=0, description="rows per Parquet row group (the streaming unit of readers)")
+    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
 
 
 # the options every shard of one dataset must share (how text becomes sentences, tokens and splits)
@@ -98,7 +128,9 @@ DATASET_OPTIONS = (
 
 
 class IngestConfig(IngestOptions):
-    sources: list[str] = Field(description="files, folders (recursive) or glob patterns")
+    sources: list[str | Source] = Field(
+        description="files, folders (recursive) or glob patterns; in a config, also {path, split} objects"
+    )
     out: str = Field(description="output dataset folder (part-*.parquet + manifest.duckdb)")
 
 
@@ -167,6 +199,7 @@ class TrainOptions(Options):
         "stop", description="a NaN loss stops the run (naming the last good checkpoint) or skips the batch"
     )
     resume: bool = Field(False, description="continue from the newest valid checkpoint in out/")
+    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")
     register_as: str | None = Field("elmo", description="MLflow registered-model name; null: log the model only")
@@ -227,6 +260,7 @@ class EmbedOptions(Options):
     overwrite: bool = Field(
         False, description="replace a table of another job in --out (the new one is swapped in when complete)"
     )
+    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
 
     @model_validator(mode="before")
     @classmethod
@@ -250,7 +284,7 @@ class EmbedConfig(EmbedOptions):
 class PerplexityConfig(Options):
     model: str = Field(description="model directory with its softmax and vocab.txt, or an MLflow model URI")
     corpus: str = Field(description="an ingested dataset folder")
-    split: Literal["heldout", "train"] = Field("heldout", description="which split to score")
+    split: Literal["heldout", "train", "test"] = Field("heldout", description="which split to score")
     batch_size: int = Field(64, gt=0, description="rows per batch")
     max_batches: int | None = Field(None, gt=0, description="score at most this many batches")
     device: str = Field("cpu", description="cpu, cuda or cuda:N")

@@ -37,13 +37,13 @@ from elmo_core.batches import LMBatcher
 from elmo_core.chars import model_ids
 from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
 from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError, TrainingDivergedError
-from elmo_core.fileio import write_text_atomic
+from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
 from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
-from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
+from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
 from elmo_core.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "TrainResult",
     "TrainingDivergedError",
     "evaluate",
+    "evaluate_splits",
     "export_checkpoint",
     "latest_checkpoint",
     "train",
@@ -200,11 +201,26 @@ def _full_softmax_losses(
     return losses[0], losses[1], state
 
 
-def describe_perplexity(result: dict[str, float]) -> str:
+def evaluate_splits(
+    bilm: BiLM, data: str | Path, splits: tuple[str, ...] = ("heldout", "test"), batch_size: int = 64
+) -> dict[str, dict[str, float]]:
+    """Full-softmax perplexity (per direction, with the add-one unigram baseline of the train counts) on each of
+    ``splits`` that the vocab folder ``data`` holds token ids of; a split without sentences is left out."""
+    data = Path(data)
+    counts, _ = train_token_counts(data, bilm.config.n_tokens_vocab)
+    results = {}
+    for split in splits:
+        folder = data / "token_ids" / split
+        if folder.is_dir() and any(_num_rows(f) for f in folder.glob("part-*.parquet")):
+            results[split] = evaluate(bilm, folder, batch_size=batch_size, unigram_counts=counts)
+    return results
+
+
+def describe_perplexity(result: dict[str, float], split: str = "heldout") -> str:
     if not result:
-        return "no heldout split to evaluate"
+        return f"no {split} split to evaluate"
     text = (
-        f"heldout perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
+        f"{split} perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
         f"backward {result['perplexity_backward']:.2f}"
     )
     if "perplexity_unigram" in result:
@@ -732,8 +748,24 @@ def finish(run: Run) -> TrainResult:
 # ----- the loop ---------------------------------------------------------------------------------------
 
 
+LOCK_NAME = ".train.lock"  # in the run folder: one training writes it at a time (rank 0 holds it)
+
+
 def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
     """Run (or resume) a training; returns the final perplexity and where the exported model is."""
+    lock = None
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes the folder and logs
+        if config.tracking == "mlflow" and tracker is None:
+            check_reachable(config.tracking_uri)  # in seconds, before any work
+        lock = FolderLock(Path(config.out) / LOCK_NAME, config.out, wait=config.wait).acquire()
+    try:
+        return _train(config, tracker)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
     run = setup(config, tracker)
     status = "FAILED"
     try:

@@ -27,7 +27,7 @@ from elmo_core.chars import (
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.ingest import shard_paths
-from elmo_core.options import VocabConfig
+from elmo_core.options import SPLITS, VocabConfig
 from elmo_core.progress import track
 from elmo_core.vocab_file import MAX_TERM_ID, check_training_vocab, read_vocab_file, write_vocab_file
 
@@ -87,6 +87,7 @@ FROM imported i LEFT JOIN token_counts c USING (token) ORDER BY i.id
 CORPUS_STATS = """
 CREATE OR REPLACE TABLE corpus_stats AS
 WITH heldout AS (SELECT unnest(tokens) AS token FROM read_parquet($shards) WHERE split = 'heldout'),
+test AS (SELECT unnest(tokens) AS token FROM read_parquet($shards) WHERE split = 'test'),
 counts AS (
     SELECT
         (SELECT count(*) FROM read_parquet($shards) WHERE split = 'train')::BIGINT AS train_sentences,
@@ -95,9 +96,15 @@ counts AS (
         (SELECT count(*) FROM vocab)::BIGINT AS vocab_size,
         (SELECT count(*) FROM read_parquet($shards) WHERE split = 'heldout')::BIGINT AS heldout_sentences,
         (SELECT count(*) FROM heldout)::BIGINT AS heldout_tokens,
-        (SELECT count(*) FROM heldout h ANTI JOIN vocab v USING (token))::BIGINT AS heldout_oov_tokens
+        (SELECT count(*) FROM heldout h ANTI JOIN vocab v USING (token))::BIGINT AS heldout_oov_tokens,
+        (SELECT count(*) FROM read_parquet($shards) WHERE split = 'test')::BIGINT AS test_sentences,
+        (SELECT count(*) FROM test)::BIGINT AS test_tokens,
+        (SELECT count(*) FROM test t ANTI JOIN vocab v USING (token))::BIGINT AS test_oov_tokens
 )
-SELECT *, coalesce(heldout_oov_tokens / nullif(heldout_tokens, 0), 0.0)::DOUBLE AS heldout_oov_rate FROM counts
+SELECT *,
+    coalesce(heldout_oov_tokens / nullif(heldout_tokens, 0), 0.0)::DOUBLE AS heldout_oov_rate,
+    coalesce(test_oov_tokens / nullif(test_tokens, 0), 0.0)::DOUBLE AS test_oov_rate
+FROM counts
 """
 CREATE_CHAR_IDS = "CREATE OR REPLACE TABLE char_ids (id INTEGER, token VARCHAR, chars INTEGER[50])"
 INSERT_CHAR_IDS = "INSERT INTO char_ids SELECT id, token, chars::INTEGER[50] FROM char_rows"
@@ -189,7 +196,7 @@ TOKEN_IDS_SCHEMA = pa.schema(
 
 
 def write_token_ids(shards: list[str], vocab: list[str], out: Path, on_shard: Callable[[], None] | None = None) -> None:
-    """``out/{train,heldout}/part-*.parquet``: each sentence's vocab ids (``<UNK>`` for OOV) beside its tokens.
+    """``out/{train,heldout,test}/part-*.parquet``: each sentence's vocab ids (``<UNK>`` for OOV) beside its tokens.
 
     The tokens stay because the model always reads characters, OOV words included; the ids are the softmax
     targets. Lookups are Arrow's hash ``index_in``, streamed one row group at a time. ``out/_VOCAB_SHA256``
@@ -200,12 +207,12 @@ def write_token_ids(shards: list[str], vocab: list[str], out: Path, on_shard: Ca
     marker = out / "_VOCAB_SHA256"
     if out.exists() and (not marker.exists() or marker.read_text().strip() != fingerprint):
         shutil.rmtree(out)  # ids of another vocabulary
-    for split in ("train", "heldout"):
+    for split in SPLITS:
         (out / split).mkdir(parents=True, exist_ok=True)
     write_text_atomic(marker, fingerprint + "\n")
     for shard in shards:
         name = Path(shard).name
-        targets = {split: out / split / name for split in ("train", "heldout")}
+        targets = {split: out / split / name for split in SPLITS}
         if not all(t.exists() for t in targets.values()):  # else already converted (shards never change once written)
             _write_shard_ids(shard, value_set, targets)
         if on_shard is not None:

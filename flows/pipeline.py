@@ -26,19 +26,21 @@ import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.corpus import write_default_corpus
 from elmo_core.errors import InputError
 from elmo_core.fileio import write_text_atomic
-from elmo_core.ingest import dataset_options, find_inputs, ingest, option_changes
+from elmo_core.ingest import dataset_options, find_sources, ingest, option_changes
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
     EmbedConfig,
     EmbedOptions,
     IngestConfig,
     IngestOptions,
+    Source,
     TrainConfig,
     TrainOptions,
     VocabConfig,
     VocabOptions,
 )
-from elmo_core.train import evaluate, export_checkpoint, train
+from elmo_core.tracking import MLflowTracker
+from elmo_core.train import describe_perplexity, evaluate_splits, export_checkpoint, train
 from elmo_core.vocab import build_vocab
 from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link, retry_unless_user_error, run_main, stage
 from flows.embed import embed_flow
@@ -54,8 +56,10 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[str] | None = Field(
-        None, description="corpus files/folders/globs; default: Python's own pydoc topics"
+    sources: list[str | Source] | None = Field(
+        None,
+        description="corpus files/folders/globs, or {path, split} with split train, heldout or test; "
+        "default: Python's own pydoc topics",
     )
     workdir: str = Field("data", description="where every stage writes (relative to the project root)")
     vocab_file: str | None = Field(None, description="keep this vocab.txt (fine-tuning)")
@@ -88,6 +92,12 @@ class PipelineParams(BaseModel):
 def _absolute(path: str) -> Path:
     p = Path(path)
     return p if p.is_absolute() else PROJECT_ROOT / p
+
+
+def _absolute_source(source: str | Source) -> str | Source:
+    if isinstance(source, str):
+        return str(_absolute(source))
+    return source.model_copy(update={"path": str(_absolute(source.path))})
 
 
 # ----- stage bookkeeping: one stamp per stage folder -------------------------------------------------
@@ -215,20 +225,37 @@ def export_stage(run_dir: str, out: str) -> str:
 
 @task
 @stage
-def evaluate_stage(model_dir: str, heldout: str, unigram: float | None) -> dict[str, float]:
+def evaluate_stage(model_dir: str, data: str, config: TrainConfig, run_id: str | None) -> dict[str, dict[str, float]]:
+    """Full-softmax perplexity of the exported model on heldout and test, into the training's MLflow run as
+    ``heldout/…`` and ``test/…`` and into one artifact table."""
     from elmo_core import BiLM
 
-    result = evaluate(BiLM.from_pretrained(model_dir), heldout)
+    results = evaluate_splits(BiLM.from_pretrained(model_dir), data)
     table = [
-        {"direction": d, "perplexity": round(result[f"perplexity_{d}" if d != "average" else "perplexity"], 2)}
-        for d in ("forward", "backward", "average")
+        {
+            "split": split,
+            "forward": round(r["perplexity_forward"], 2),
+            "backward": round(r["perplexity_backward"], 2),
+            "average": round(r["perplexity"], 2),
+            "unigram baseline": round(r["perplexity_unigram"], 2),
+            "tokens": int(r["eval_tokens"]),
+        }
+        for split, r in results.items()
     ]
-    if unigram:
-        table.append({"direction": "unigram baseline", "perplexity": round(unigram, 2)})
     create_table_artifact(
-        key="heldout-perplexity", table=table, description="Heldout perplexity of the exported model (full softmax)"
+        key="perplexity",
+        table=table,
+        description="Perplexity of the exported model per split (full softmax; add-one unigram baseline of train)",
     )
-    return result
+    if run_id and config.tracking == "mlflow" and results:
+        tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
+        try:
+            tracker.log_metrics({f"{split}/{k}": v for split, r in results.items() for k, v in r.items()}, step=0)
+        finally:
+            tracker.close()
+    for split, result in results.items():
+        get_run_logger().info("%s", describe_perplexity(result, split))
+    return results
 
 
 # ----- the flow -------------------------------------------------------------------------------------------
@@ -239,12 +266,17 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     """Train an ELMo biLM on a corpus and embed the probe sentences with it."""
     workdir = _absolute(params.workdir)
     tracking_uri = params.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir / 'mlflow.db'}"
-    sources = [str(_absolute(s)) for s in params.sources] if params.sources else default_corpus(str(workdir))
+    sources = [_absolute_source(s) for s in params.sources] if params.sources else default_corpus(str(workdir))
 
     ingest_dir, vocab_dir, train_dir, export_dir = (workdir / name for name in ("ingest", "vocab", "train", "export"))
     ingest_config, vocab_config, train_config = _stage_configs(params, workdir, sources, tracking_uri)
     ingested = ingest_stage(
-        ingest_config, str(ingest_dir), fingerprint_files(find_inputs(sources), ingest_config.model_dump())
+        ingest_config,
+        str(ingest_dir),
+        fingerprint_files(
+            [i.path for i in find_sources(sources, ingest_config.split, ingest_config.layout)],
+            ingest_config.model_dump(mode="json", exclude={"wait"}),  # how long to wait is not an input
+        ),
     )
     stats = vocab_stage(
         vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump())
@@ -252,15 +284,12 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     trained = train_stage(
         train_config,
         str(train_dir),
-        fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.model_dump(mode="json")),
+        fingerprint_files(
+            [vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.model_dump(mode="json", exclude={"wait"})
+        ),
     )
     model_dir = export_stage(str(train_dir), str(export_dir))
-    heldout = vocab_dir / "token_ids" / "heldout"
-    perplexity = (
-        evaluate_stage(model_dir, str(heldout), trained["perplexity"].get("perplexity_unigram"))
-        if stats["heldout_tokens"]
-        else {}
-    )
+    perplexity = evaluate_stage(model_dir, str(vocab_dir), train_config, trained["run_id"])
 
     embedded = None
     if params.probes:  # the probe sentences' own table, replaced whenever the model changes
@@ -290,7 +319,7 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
 
 
 def _stage_configs(
-    params: PipelineParams, workdir: Path, sources: list[str], tracking_uri: str
+    params: PipelineParams, workdir: Path, sources: list[str | Source], tracking_uri: str
 ) -> tuple[IngestConfig, VocabConfig, TrainConfig]:
     """Each stage's options laid over the folders the main job gives it."""
     vocab_dir = workdir / "vocab"
@@ -319,10 +348,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"  corpus      {s['ingest']}",
         f"  vocabulary  {int(s['vocab_size']):,} entries",
     ]
-    if ppl:
+    for split, result in ppl.items():
         lines.append(
-            f"  heldout     perplexity {ppl['perplexity']:.1f} (forward {ppl['perplexity_forward']:.1f}, "
-            f"backward {ppl['perplexity_backward']:.1f})"
+            f"  {split:<11} perplexity {result['perplexity']:.1f} (forward {result['perplexity_forward']:.1f}, "
+            f"backward {result['perplexity_backward']:.1f}; unigram {result['perplexity_unigram']:.1f})"
         )
     lines.append(f"  model       {s['model_dir']}  (bilm-tf/AllenNLP format: options.json, weights.hdf5, vocab.txt)")
     if s["mlflow_run_id"]:

@@ -68,6 +68,19 @@ def test_defaults_then_config_file_then_flags(tmp_path):
         parse_config(TrainConfig, build_parser().parse_args(["train", "--data", "d"]))
 
 
+def test_a_config_file_s_bad_value_is_named_by_its_key_in_that_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"data": "d", "out": "o", "batch_size": -3, "unrol_steps": 5}')
+    with pytest.raises(ConfigError) as caught:
+        parse_config(TrainConfig, build_parser().parse_args(["train", "--config", str(bad)]))
+    message = str(caught.value)
+    assert f"{bad}: batch_size: Input should be greater than 0 (got -3)" in message
+    assert f"{bad}: unrol_steps: Extra inputs are not permitted" in message and "--batch-size" not in message
+    # the same value given as a flag names the flag
+    with pytest.raises(ConfigError, match=r"--batch-size: Input should be greater than 0 \(got -4\)"):
+        parse_config(TrainConfig, build_parser().parse_args(["train", "--config", str(bad), "--batch-size", "-4"]))
+
+
 def test_one_list_of_presets_and_of_tokenizers():
     assert tuple(typing.get_args(PresetName)) == tuple(PRESETS)
     assert IngestOptions.model_fields["tokenizer"].annotation is TokenizerName

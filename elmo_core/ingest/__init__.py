@@ -19,7 +19,7 @@ lines), ``shards`` (tokenized, split and deduplicated into one Parquet shard), `
 what is in), ``run`` (``ingest`` itself, file by file).
 """
 
-from elmo_core.ingest.inputs import file_format, find_inputs
+from elmo_core.ingest.inputs import Input, detect_layout, file_format, find_inputs, find_sources
 from elmo_core.ingest.manifest import MANIFEST_NAME, dataset_options, manifest_path, open_manifest, option_changes
 from elmo_core.ingest.readers import BinaryFileError, FileStats, content_sha256
 from elmo_core.ingest.run import IngestSummary, ingest
@@ -33,6 +33,9 @@ __all__ = [
     "FileStats",
     "IngestConfig",
     "IngestSummary",
+    "Input",
+    "detect_layout",
+    "find_sources",
     "_HashSet",
     "content_sha256",
     "dataset_options",

@@ -28,17 +28,24 @@ CREATE TABLE IF NOT EXISTS files (
 );
 CREATE TABLE IF NOT EXISTS seen (hash BIGINT);
 CREATE TABLE IF NOT EXISTS options (settings VARCHAR);
+ALTER TABLE files ADD COLUMN IF NOT EXISTS split VARCHAR DEFAULT 'auto';
+ALTER TABLE files ADD COLUMN IF NOT EXISTS overlap BIGINT DEFAULT 0;
+ALTER TABLE seen ADD COLUMN IF NOT EXISTS pool VARCHAR DEFAULT 'corpus';
 """
+# a file's split (auto, train, heldout, test) is part of its identity: the same file under another is refused
 GET_OPTIONS = "SELECT settings FROM options"
 SET_OPTIONS = "INSERT INTO options VALUES (?)"
 MANIFEST_NAME = "_manifest.duckdb"
 
-FIND_DONE_BY_STAT = "SELECT sha256 FROM files WHERE path = ? AND size = ? AND mtime = ? AND status = 'done'"
-FIND_BY_SHA = "SELECT status FROM files WHERE sha256 = ?"
-REMEMBER_HASHES = "INSERT INTO seen SELECT hash FROM new_hashes"
+FIND_DONE_BY_STAT = "SELECT split FROM files WHERE path = ? AND size = ? AND mtime = ? AND status = 'done'"
+FIND_BY_SHA = "SELECT status, split, path FROM files WHERE sha256 = ?"
+REMEMBER_HASHES = "INSERT INTO seen (hash, pool) SELECT hash, pool FROM new_hashes"
+OVERLAP = "SELECT coalesce(sum(overlap), 0) FROM files WHERE status = 'done'"
 UPSERT_FILE = """
-INSERT OR REPLACE INTO files VALUES ($sha256, $path, $size, $mtime, $format, $records, $sentences, $duplicates,
-    $rejected_lines, $invalid_utf8_lines, $empty_lines, $split_long, $status, $error, $shard, now())
+INSERT OR REPLACE INTO files (sha256, path, size, mtime, format, records, sentences, duplicates, rejected_lines,
+    invalid_utf8_lines, empty_lines, split_long, status, error, shard, ingested_at, split, overlap)
+VALUES ($sha256, $path, $size, $mtime, $format, $records, $sentences, $duplicates, $rejected_lines,
+    $invalid_utf8_lines, $empty_lines, $split_long, $status, $error, $shard, now(), $split, $overlap)
 """
 
 
@@ -112,6 +119,7 @@ class FileEntry:
     stat: os.stat_result
     sha256: str
     stats: FileStats
+    split: str = "auto"  # as asked for: auto, train, heldout or test
 
     @property
     def key(self) -> str:
@@ -136,6 +144,8 @@ class FileEntry:
             "status": status,
             "error": error,
             "shard": shard,
+            "split": self.split,
+            "overlap": stats.overlap,
         }
 
 
@@ -144,7 +154,13 @@ def record_failure(con: duckdb.DuckDBPyConnection, entry: FileEntry, error: str)
 
 
 def commit_file(
-    con: duckdb.DuckDBPyConnection, entry: FileEntry, *, tmp: Path, shard: Path, hashes: np.ndarray, dedup: bool
+    con: duckdb.DuckDBPyConnection,
+    entry: FileEntry,
+    *,
+    tmp: Path,
+    shard: Path,
+    hashes: dict[str, np.ndarray],
+    dedup: bool,
 ) -> None:
     """Rename the finished shard into place, then record its hashes and the file in one DuckDB transaction.
 
@@ -152,10 +168,14 @@ def commit_file(
     """
     con.execute("BEGIN TRANSACTION")
     try:
-        if dedup and len(hashes):
-            con.register("new_hashes", pa.table({"hash": hashes}))
-            con.execute(REMEMBER_HASHES)
-            con.unregister("new_hashes")
+        for pool, values in hashes.items() if dedup else ():
+            if len(values):
+                con.register(
+                    "new_hashes",
+                    pa.table({"hash": values, "pool": pa.repeat(pa.scalar(pool, pa.string()), len(values))}),
+                )
+                con.execute(REMEMBER_HASHES)
+                con.unregister("new_hashes")
         if entry.stats.sentences:
             publish(tmp, shard)
         else:

@@ -40,6 +40,9 @@ class FileStats:
     invalid_utf8_lines: int = 0
     empty_lines: int = 0
     split_long: int = 0
+    overlap: int = 0  # sentences both in train and in a heldout/test source (see shards.py)
+    overlap_dropped: int = 0  # of those, dropped from train (--drop-overlap)
+    overlap_example: str | None = None
     examples: list[str] = field(default_factory=list)
     progress: Callable[[int], None] | None = None  # hears the bytes of the file read so far
 
@@ -152,21 +155,47 @@ def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
         yield from enumerate(_decode_lines(bytes(data), path, before + 1, stats), before + 1)
 
 
-def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str]]:
-    """(record position, text) of one input file: a JSON line, a Parquet row, or (--split-sentences) a paragraph."""
+# what a split field may say, and the split it means
+SPLIT_NAMES = {
+    "train": "train",
+    "training": "train",
+    "heldout": "heldout",
+    "valid": "heldout",
+    "validation": "heldout",
+    "dev": "heldout",
+    "test": "test",
+}
+
+
+def record_split(value: object, where: str, field_name: str, stats: FileStats) -> str | None:
+    """The split a record's field names, or None (the record is rejected, with an example) for anything else."""
+    split = SPLIT_NAMES.get(value.lower()) if isinstance(value, str) else None
+    if split is None:
+        stats.rejected_lines += 1
+        stats.example(where, f"split field {field_name!r} is {value!r}; expected train, heldout (valid, dev) or test")
+    return split
+
+
+def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str, str | None]]:
+    """(record position, text, split named by ``split_field`` or None) of one input file: a JSON line, a Parquet
+    row, or (--split-sentences) a paragraph."""
+    if config.split_field and fmt == "text":
+        raise InputError(f"{path}: --split-field names a JSONL field or Parquet column; a text file has none")
     if fmt == "parquet":
         try:
             pf = pq.ParquetFile(path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
-        if config.text_column not in pf.schema_arrow.names:
-            raise InputError(
-                f"{path}: no column {config.text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                "use --text-column"
-            )
+        columns = [config.text_column, *([config.split_field] if config.split_field else [])]
+        for column, flag in zip(columns, ("--text-column", "--split-field")):
+            if column not in pf.schema_arrow.names:
+                raise InputError(
+                    f"{path}: no column {column!r} (columns: {', '.join(pf.schema_arrow.names)}); use {flag}"
+                )
         row = 0
-        for batch in pf.iter_batches(columns=[config.text_column], batch_size=65_536):
-            for value in batch.column(0).to_pylist():
+        for batch in pf.iter_batches(columns=columns, batch_size=65_536):
+            splits = batch.column(1).to_pylist() if config.split_field else [None] * batch.num_rows
+            for value, named in zip(batch.column(0).to_pylist(), splits):
                 row += 1
                 if not isinstance(value, str):
                     stats.rejected_lines += 1
@@ -174,7 +203,12 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
                         f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text"
                     )
                     continue
-                yield f"r{row}", value
+                split = (
+                    record_split(named, f"{path}:row {row}", config.split_field, stats) if config.split_field else None
+                )
+                if config.split_field and split is None:
+                    continue
+                yield f"r{row}", value, split
         return
     if fmt == "jsonl":
         for line_no, line in _text_lines(path, stats):
@@ -194,7 +228,12 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
                     f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field"
                 )
                 continue
-            yield f"l{line_no}", value
+            split = None
+            if config.split_field:
+                split = record_split(obj.get(config.split_field), f"{path}:{line_no}", config.split_field, stats)
+                if split is None:
+                    continue
+            yield f"l{line_no}", value, split
         return
     # plain text: one sentence per line goes through _line_array in _write_shard; here, paragraphs
     paragraph: list[str] = []
@@ -207,7 +246,7 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
         else:
             stats.empty_lines += 1
             if paragraph:
-                yield f"l{start}", " ".join(paragraph)
+                yield f"l{start}", " ".join(paragraph), None
                 paragraph = []
     if paragraph:
-        yield f"l{start}", " ".join(paragraph)
+        yield f"l{start}", " ".join(paragraph), None

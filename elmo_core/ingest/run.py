@@ -12,9 +12,9 @@ import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.errors import ElmoError, OutputError
-from elmo_core.fileio import temp_path
-from elmo_core.ingest.inputs import file_format, find_inputs
+from elmo_core.errors import ConfigError, ElmoError, OutputError
+from elmo_core.fileio import FolderLock, temp_path
+from elmo_core.ingest.inputs import Input, file_format, find_sources
 from elmo_core.ingest.manifest import (
     FIND_BY_SHA,
     FIND_DONE_BY_STAT,
@@ -32,6 +32,8 @@ from elmo_core.tokenize import get_tokenizer
 
 log = logging.getLogger(__name__)
 
+LOCK_NAME = ".ingest.lock"  # hidden: the dataset's readers skip it
+
 
 @dataclass
 class IngestSummary:
@@ -44,6 +46,9 @@ class IngestSummary:
     duplicates: int = 0
     rejected_lines: int = 0
     invalid_utf8_lines: int = 0
+    overlap: int = 0  # sentences both in train and in a heldout/test source
+    overlap_dropped: int = 0
+    overlap_example: str | None = None
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -57,7 +62,22 @@ class IngestSummary:
         self.duplicates += stats.duplicates
         self.rejected_lines += stats.rejected_lines
         self.invalid_utf8_lines += stats.invalid_utf8_lines
+        self.overlap += stats.overlap
+        self.overlap_dropped += stats.overlap_dropped
+        self.overlap_example = self.overlap_example or stats.overlap_example
         self.warnings.extend(stats.examples)
+
+    def overlap_line(self) -> str:
+        """What a reporter of heldout/test numbers needs to know: train and a fixed split share sentences."""
+        if not self.overlap:
+            return ""
+        what = (
+            f"{self.overlap_dropped:,} dropped from train"
+            if self.overlap_dropped
+            else "--drop-overlap drops them from train (heldout/test sources are ingested first)"
+        )
+        example = self.overlap_example
+        return f"{self.overlap:,} sentences are both in train and in a heldout/test source ({what}); first: {example!r}"
 
     @property
     def nothing_ingested(self) -> bool:
@@ -72,6 +92,7 @@ class IngestSummary:
             f"{self.sentences:,} sentences, {self.tokens:,} tokens, {self.duplicates:,} duplicates dropped, "
             f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8; "
             f"{mb:,.1f} MB in {self.seconds:.1f} s ({mb / max(self.seconds, 1e-9):,.1f} MB/s)"
+            + (f"; {self.overlap_line()}" if self.overlap else "")
         )
 
 
@@ -94,51 +115,64 @@ def ingest(config: IngestConfig) -> IngestSummary:
     if out.is_file():
         raise OutputError(f"{out}: is a file; --out takes a dataset folder (new, or one `elmo ingest` wrote)")
     get_tokenizer(config.tokenizer)  # fail before any work if the tokenizer is unavailable
-    inputs = find_inputs(config.sources)
+    if config.split_field and config.split != "auto":
+        raise ConfigError(f"--split {config.split} and --split-field {config.split_field}: give one of them")
+    inputs = find_sources(config.sources, config.split, config.layout)
     out.mkdir(parents=True, exist_ok=True)
+    with FolderLock(out / LOCK_NAME, out, wait=config.wait):  # one ingest at a time: dedup sees every file
+        summary = _ingest_all(config, out, inputs)
+    summary.seconds = time.perf_counter() - started
+    log.info("%s", summary.line())
+    return summary
+
+
+def _ingest_all(config: IngestConfig, out: Path, inputs: list[Input]) -> IngestSummary:
     for stale in [*out.glob(".part-*.tmp"), *out.glob("part-*.tmp")]:
-        stale.unlink()  # left by an interrupted run
+        stale.unlink()  # left by an interrupted run (no other ingest can be writing: the lock is held)
     summary = IngestSummary()
     con = open_manifest(out, config.memory_limit)
     try:
         check_options(con, out, config)
-        with track("ingest", sum(p.stat().st_size for p in inputs) / 1e6, "MB") as progress:
+        with track("ingest", sum(i.path.stat().st_size for i in inputs) / 1e6, "MB") as progress:
             run = _Ingest(con=con, config=config, out=out, summary=summary, progress=progress)
-            for n, path in enumerate(inputs, 1):
-                size = path.stat().st_size
-                _ingest_file(run, path, f"[{n}/{len(inputs)}]")
+            for n, item in enumerate(inputs, 1):
+                size = item.path.stat().st_size
+                _ingest_file(run, item, f"[{n}/{len(inputs)}]")
                 run.done_bytes += size
                 progress.update(
                     run.done_bytes / 1e6, f"{summary.files_ingested} files, {summary.sentences:,} sentences"
                 )
     finally:
         con.close()
-    summary.seconds = time.perf_counter() - started
-    log.info("%s", summary.line())
     return summary
 
 
-def _ingest_file(run: _Ingest, path: Path, label: str) -> None:
+def _ingest_file(run: _Ingest, item: Input, label: str) -> None:
     """One input file into its shard and the manifest (or skipped: already done; or failed, counted)."""
-    con, summary, stat = run.con, run.summary, path.stat()
-    if con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall():
+    con, summary, path, stat = run.con, run.summary, item.path, item.path.stat()
+    done = con.execute(FIND_DONE_BY_STAT, [str(path), stat.st_size, stat.st_mtime]).fetchall()
+    if done:
+        _same_split(path, done[0][0], item.split, run.out)
         summary.files_skipped += 1
         return
     sha = content_sha256(path)
     row = con.execute(FIND_BY_SHA, [sha]).fetchall()
     if row and row[0][0] == "done":
+        _same_split(path, row[0][1], item.split, run.out, row[0][2])
         summary.files_skipped += 1
         return
     fmt = file_format(path)
     at_start = run.done_bytes
     stats = FileStats(str(path), fmt, progress=lambda at: run.progress.update((at_start + at) / 1e6, path.name))
-    entry = FileEntry(path=path, stat=stat, sha256=sha, stats=stats)
+    entry = FileEntry(path=path, stat=stat, sha256=sha, stats=stats, split=item.split)
     shard = run.out / f"part-{entry.key}.parquet"
     shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone
     log.info("%s %s (%s, %.1f MB)", label, path, fmt, stat.st_size / 1e6)
     tmp = temp_path(shard)
     try:
-        hashes = write_shard(path, entry.key, fmt=fmt, config=run.config, tmp=tmp, con=con, stats=stats)
+        hashes = write_shard(
+            path, entry.key, fmt=fmt, config=run.config, tmp=tmp, con=con, stats=stats, split=item.split
+        )
     except (ElmoError, OSError, EOFError) as exc:  # this file fails; the others go on
         tmp.unlink(missing_ok=True)
         summary.files_failed += 1
@@ -150,6 +184,16 @@ def _ingest_file(run: _Ingest, path: Path, label: str) -> None:
     summary.add(stats, tokens=_token_count(shard) if stats.sentences else 0, bytes_read=stat.st_size)
     for example in stats.examples:
         log.warning("%s", example)
+
+
+def _same_split(path: Path, ingested: str, wanted: str, out: Path, as_path: str | None = None) -> None:
+    """A file already in the dataset keeps the split it was ingested with: another one is refused in one line."""
+    if ingested != wanted:
+        same = f" (as {as_path}, the same text)" if as_path and as_path != str(path) else ""
+        raise OutputError(
+            f"{path}: already in {out} as split {ingested}{same}; ingest it with --split {ingested}, or into a new "
+            "--out folder to change its split"
+        )
 
 
 def _token_count(shard: Path) -> int:

@@ -33,7 +33,11 @@ SHARD_SCHEMA = pa.schema(
 )
 
 HASH_SENTENCES = "SELECT md5(s) AS h FROM normalized_sentences"
-KNOWN_HASHES = "SELECT n.hash FROM new_hashes n SEMI JOIN seen s ON n.hash = s.hash"
+# a pool is where a sentence counts for deduplication: "corpus" (train and the hash split) or a fixed heldout/test
+KNOWN_IN_POOL = "SELECT n.hash FROM new_hashes n SEMI JOIN seen s ON n.hash = s.hash AND s.pool = $pool"
+KNOWN_IN_FIXED = "SELECT n.hash FROM new_hashes n SEMI JOIN seen s ON n.hash = s.hash AND s.pool <> 'corpus'"
+KNOWN_IN_CORPUS = "SELECT n.hash FROM new_hashes n SEMI JOIN seen s ON n.hash = s.hash AND s.pool = 'corpus'"
+FIXED_SPLITS = ("heldout", "test")
 
 
 _HEX_VALUE = np.zeros(256, np.uint8)
@@ -124,8 +128,11 @@ class _ShardWriter:
         tmp: Path,
         con: duckdb.DuckDBPyConnection,
         stats: FileStats,
+        split: str = "auto",
     ) -> None:
         self.key, self.config, self.stats, self.source, self.con = key, config, stats, str(path), con
+        self.split = None if split == "auto" else split  # the whole file's split, else per record or by hash
+        self.record_splits: dict[str, str] = {}  # record ─► the split its split field named
         self.tokenize = get_tokenizer(config.tokenizer)
         # zstd level 1 and no dictionary for the mostly-unique columns: writing is most of the cost of ingest
         # and min/max statistics only where a filter can use them (not on unique ids and texts)
@@ -139,7 +146,7 @@ class _ShardWriter:
         )
         self.records: list[str] = []  # a label per text: "l<line>" or "r<row>" (JSONL lines, Parquet rows)
         self.texts: list[str] = []
-        self._in_file = _HashSet()  # hashes of the sentences kept from this file
+        self._in_file: dict[str, _HashSet] = {}  # pool ─► hashes of the sentences kept from this file
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-writer")
         self._pending: Future | None = None
 
@@ -148,7 +155,9 @@ class _ShardWriter:
             self._pending.result()  # re-raises a write error here
             self._pending = None
 
-    def add(self, record: str, text: str) -> None:
+    def add(self, record: str, text: str, split: str | None = None) -> None:
+        if split is not None:
+            self.record_splits[record] = split
         pieces = split_sentences(text) if self.config.split_sentences else [text]
         self.records.extend([record] * len(pieces))
         self.texts.extend(pieces)
@@ -203,8 +212,15 @@ class _ShardWriter:
         ordinals = "0" if one_per_record else pc.cast(pa.array(_ordinals_within_runs(doc_ids)), pa.string())
         sentence_ids = pc.binary_join_element_wise(doc_ids, ordinals, ":")
         hashes = sentence_hashes(self.con, texts)
-        keep = self._first_seen(hashes) if self.config.dedup else np.ones(n, dtype=bool)
-        self.stats.duplicates += int(n - keep.sum())
+        splits = self._splits(records, hashes)
+        pools = self._pools(splits)
+        keep = np.ones(n, dtype=bool)
+        if self.config.dedup:
+            for pool in np.unique(pools):
+                at = np.flatnonzero(pools == pool)
+                keep[at] = self._first_seen(hashes[at], str(pool))
+            self.stats.duplicates += int(n - keep.sum())
+            self._overlap(hashes, pools, texts, keep)
         table = pa.table(
             {
                 "doc_id": doc_ids,
@@ -213,7 +229,7 @@ class _ShardWriter:
                 "tokens": tokens,
                 "n_tokens": pa.array(counts.astype(np.int32)),
                 "source": pa.repeat(pa.scalar(self.source, pa.string()), n),
-                "split": _splits(hashes, self.config.heldout_fraction),
+                "split": splits,
             },
             schema=SHARD_SCHEMA,
         )
@@ -225,21 +241,63 @@ class _ShardWriter:
             self._pending = self._io.submit(self.writer.write_table, table, row_group_size=self.config.row_group_size)
         self.stats.sentences += table.num_rows
 
-    def _first_seen(self, hashes: np.ndarray) -> np.ndarray:
-        """True for the first copy of each hash in this file that no committed file holds."""
+    def _splits(self, records: pa.StringArray, hashes: np.ndarray) -> pa.Array:
+        """Each sentence's split: the file's, its record's split field, or the hash split by heldout_fraction."""
+        if self.split is not None:
+            return pa.array([self.split] * len(records), pa.string())
+        if self.record_splits:
+            return pa.array([self.record_splits[r] for r in records.to_pylist()], pa.string())
+        return _splits(hashes, self.config.heldout_fraction)
+
+    def _pools(self, splits: pa.Array) -> np.ndarray:
+        """Dedup pools: a fixed heldout/test sentence (its file's or its record's split) is deduplicated only
+        against its own split, so a benchmark's test file stays whole; every other sentence against the corpus."""
+        names = np.asarray(splits.to_pylist(), dtype=object)
+        if self.split is None and not self.record_splits:
+            return np.full(len(names), "corpus", dtype=object)
+        return np.where(np.isin(names, FIXED_SPLITS), names, "corpus")
+
+    def _first_seen(self, hashes: np.ndarray, pool: str) -> np.ndarray:
+        """True for the first copy of each hash of ``pool`` in this file that no committed file holds in it."""
         candidates, first = np.unique(hashes, return_index=True)  # sorted, which makes the lookups cache-friendly
-        self.con.register("new_hashes", pa.table({"hash": candidates}))
-        try:
-            known = self.con.execute(KNOWN_HASHES).fetchnumpy()["hash"]
-        finally:
-            self.con.unregister("new_hashes")
-        fresh = ~self._in_file.contains(candidates)
-        if len(known):
-            fresh &= ~np.isin(candidates, known)
-        self._in_file.add(candidates[fresh])
+        known = self._known(candidates, KNOWN_IN_POOL, {"pool": pool})
+        in_file = self._in_file.setdefault(pool, _HashSet())
+        fresh = ~in_file.contains(candidates) & ~known
+        in_file.add(candidates[fresh])
         keep = np.zeros(len(hashes), dtype=bool)
         keep[first[fresh]] = True
         return keep
+
+    def _known(self, values: np.ndarray, query: str, parameters: dict | None = None) -> np.ndarray:
+        """Which of ``values`` the committed files' ``seen`` table holds, by ``query``."""
+        self.con.register("new_hashes", pa.table({"hash": values}))
+        try:
+            known = self.con.execute(query, parameters or {}).fetchnumpy()["hash"]
+        finally:
+            self.con.unregister("new_hashes")
+        return np.isin(values, known) if len(known) else np.zeros(len(values), dtype=bool)
+
+    def _overlap(self, hashes: np.ndarray, pools: np.ndarray, texts: pa.Array, keep: np.ndarray) -> None:
+        """Count the kept sentences that are both in train and in a heldout/test source (committed, or earlier in
+        this file), keep the first as an example, and with ``drop_overlap`` drop the train copies."""
+        corpus, fixed = np.flatnonzero((pools == "corpus") & keep), np.flatnonzero((pools != "corpus") & keep)
+        fixed_here = [s for p, s in self._in_file.items() if p != "corpus"]
+        corpus_here = self._in_file.get("corpus")
+        in_fixed = self._known(hashes[corpus], KNOWN_IN_FIXED) if len(corpus) else np.zeros(0, dtype=bool)
+        for hash_set in fixed_here:
+            in_fixed |= hash_set.contains(hashes[corpus])
+        in_corpus = self._known(hashes[fixed], KNOWN_IN_CORPUS) if len(fixed) else np.zeros(0, dtype=bool)
+        if corpus_here is not None:
+            in_corpus |= corpus_here.contains(hashes[fixed])
+        both = np.concatenate([corpus[in_fixed], fixed[in_corpus]])
+        if not len(both):
+            return
+        self.stats.overlap += len(np.unique(hashes[both]))  # a shared sentence counts once, whichever side
+        if self.stats.overlap_example is None:
+            self.stats.overlap_example = str(texts[int(both[0])])
+        if self.config.drop_overlap and in_fixed.any():
+            keep[corpus[in_fixed]] = False
+            self.stats.overlap_dropped += int(in_fixed.sum())
 
     def _split_long(
         self, texts: pa.Array, tokens: pa.Array, records: pa.StringArray, counts: np.ndarray
@@ -267,30 +325,38 @@ class _ShardWriter:
             pa.array(out_records, pa.string()),
         )
 
-    def close(self) -> np.ndarray:
-        """Finish the ``.tmp`` file; returns the hashes of the kept sentences."""
+    def close(self) -> dict[str, np.ndarray]:
+        """Finish the ``.tmp`` file; returns the hashes of the kept sentences, by dedup pool."""
         try:
             self.flush()
             self._wait_for_write()
         finally:
             self._io.shutdown(wait=True)
             self.writer.close()
-        return self._in_file.values()
+        return {pool: hash_set.values() for pool, hash_set in self._in_file.items()}
 
 
 def write_shard(
-    path: Path, key: str, *, fmt: str, config: IngestConfig, tmp: Path, con: duckdb.DuckDBPyConnection, stats: FileStats
-) -> np.ndarray:
-    """Tokenize and dedup one file into ``tmp``; returns the kept sentences' hashes."""
-    writer = _ShardWriter(path, key, config=config, tmp=tmp, con=con, stats=stats)
+    path: Path,
+    key: str,
+    *,
+    fmt: str,
+    config: IngestConfig,
+    tmp: Path,
+    con: duckdb.DuckDBPyConnection,
+    stats: FileStats,
+    split: str = "auto",
+) -> dict[str, np.ndarray]:
+    """Tokenize and dedup one file into ``tmp``; returns the kept sentences' hashes by dedup pool."""
+    writer = _ShardWriter(path, key, config=config, tmp=tmp, con=con, stats=stats, split=split)
     try:
         if fmt == "text" and not config.split_sentences:
             for before, data, ends in _line_blocks(path, stats):
                 writer.add_lines(before, _line_array(data, ends, path, before + 1, stats), data.obj)
         else:
-            for record, text in _records(path, fmt, config, stats):
+            for record, text, record_split in _records(path, fmt, config, stats):
                 stats.records += 1
-                writer.add(record, text)
+                writer.add(record, text, record_split)
     finally:
         hashes = writer.close()
     return hashes
