@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -92,6 +94,62 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+class _MetricQueue:
+    """Metric points sent by a background thread, so that a tracking server that goes away mid-run neither stalls
+    nor kills the training: points that fail are kept and sent again with the next ones, ``close`` gives them a last
+    chance within a deadline and returns how many could not be logged."""
+
+    BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
+
+    def __init__(self, client: Any, run_id: str) -> None:
+        self._client, self._run_id = client, run_id
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+        self._wake, self._stopping = threading.Event(), False
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def put(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        with self._lock:
+            self._pending += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            if not self._send() and not self._stopping:
+                time.sleep(2.0)  # the server is away: try again later, with whatever has queued up meanwhile
+
+    def _send(self) -> bool:
+        with self._lock:
+            batch, self._pending = self._pending[: self.BATCH], self._pending[self.BATCH :]
+        if not batch:
+            return True
+        try:
+            self._client.log_batch(self._run_id, metrics=batch)
+            return True
+        except Exception as exc:  # any failure of the store: keep the points for the next attempt
+            self.last_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            with self._lock:
+                self._pending = batch + self._pending
+            return False
+
+    def close(self, deadline_s: float = 15.0) -> int:
+        """Send what is left (stopping at the deadline); the number of points that could not be logged."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=deadline_s)
+        end = time.monotonic() + deadline_s
+        while self._pending and time.monotonic() < end and self._send():
+            pass
+        return len(self._pending)
+
+
 class MLflowTracker:
     """One MLflow run per training, with system metrics; ``run_id`` is set once started."""
 
@@ -109,6 +167,10 @@ class MLflowTracker:
         self._mlflow = mlflow
         uri = resolve_tracking_uri(tracking_uri)
         check_reachable(uri)
+        if uri.startswith(("http://", "https://")):  # an outage costs seconds per attempt, not MLflow's minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         if uri.startswith("sqlite:///"):
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(uri)
@@ -122,6 +184,8 @@ class MLflowTracker:
         run = mlflow.start_run(run_id=run_id, run_name=run_name, log_system_metrics=True, tags=tags)
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
+        self._metrics = _MetricQueue(mlflow.tracking.MlflowClient(uri), self.run_id)
+        self.failed: list[str] = []  # what could not be logged, for the warning at the end
         log.info("MLflow run %s (experiment %s) at %s", self.run_id, self.experiment_id, uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -133,16 +197,30 @@ class MLflowTracker:
             self._mlflow.log_params(new)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        """Queued: sent by a background thread, retried while the server is away (``_MetricQueue``)."""
+        self._metrics.put(metrics, step)
+
+    def _tolerant(self, what: str, call: Any) -> Any:
+        """Run a logging call at the end of a run; a store that is away costs a warning, not the training."""
+        try:
+            return call()
+        except Exception as exc:
+            self.failed.append(f"{what} ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__})")
+            log.warning("MLflow at %s: could not log %s: %s", self.tracking_uri, what, self.failed[-1])
+            return None
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if Path(path).is_dir():
-            self._mlflow.log_artifacts(str(path), artifact_path)
+            self._tolerant(f"artifact {path}", lambda: self._mlflow.log_artifacts(str(path), artifact_path))
         else:
-            self._mlflow.log_artifact(str(path), artifact_path)
+            self._tolerant(f"artifact {path}", lambda: self._mlflow.log_artifact(str(path), artifact_path))
 
     def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
-        """Log the bilm-tf model directory as a pyfunc model (and register it); returns its model URI."""
+        """Log the bilm-tf model directory as a pyfunc model (and register it); returns its model URI (None when
+        the store could not take it: the model directory itself is the result)."""
+        return self._tolerant(f"the model {model_dir}", lambda: self._log_model_dir(model_dir, registered_name))
+
+    def _log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
         info = self._mlflow.pyfunc.log_model(
             name=MODEL_ARTIFACT,
             python_model=str(Path(__file__).with_name("mlflow_model.py")),  # models from code: no pickle
@@ -158,7 +236,18 @@ class MLflowTracker:
         return info.model_uri
 
     def close(self, status: str = "FINISHED") -> None:
-        self._mlflow.end_run(status=status)
+        """Flush the queued metrics, end the run, and warn once of everything that could not be logged."""
+        lost = self._metrics.close()
+        if lost:
+            self.failed.append(f"{lost} metric points (last error: {self._metrics.last_error})")
+        self._tolerant("the end of the run", lambda: self._mlflow.end_run(status=status))
+        if self.failed:
+            log.warning(
+                "MLflow at %s was unreachable for part of the run; not logged: %s. The checkpoints, the model "
+                "directory and metrics.jsonl in the run folder hold everything",
+                self.tracking_uri,
+                "; ".join(self.failed),
+            )
 
 
 def is_model_uri(uri: str) -> bool:
@@ -176,6 +265,8 @@ def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
 
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
+    if uri.startswith(("models:/", "runs:/")):
+        check_reachable(mlflow.get_tracking_uri())  # a store that is away: seconds, not MLflow's retries
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
     except (MlflowException, OSError) as exc:

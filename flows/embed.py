@@ -19,6 +19,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import as_completed
+from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
@@ -121,15 +122,51 @@ def embed_flow(config: EmbedConfig) -> dict[str, Any]:
 
 
 def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int = 2) -> dict[str, Any]:
-    """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one."""
+    """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one.
+
+    A local cluster's workers are processes started for the job; without a Prefect API configured, one temporary
+    Prefect server serves the flow and all of them (not one each) and stops with the job. A unit of a worker that
+    dies is redone elsewhere (units are idempotent: unique temporary names, a finished unit is skipped).
+    """
+    import multiprocessing
+
     from prefect_dask import DaskTaskRunner
 
+    # a child process being bootstrapped by spawn (its main module re-run) has its name but no parent yet
+    if multiprocessing.current_process().name != "MainProcess" and multiprocessing.parent_process() is None:
+        raise RuntimeError(
+            "run_on_dask was called while a Dask worker process was starting: Dask's local workers re-run the "
+            'script that starts them, so put the call under `if __name__ == "__main__":`'
+        )
     runner = (
         DaskTaskRunner(address=address)
         if address
         else DaskTaskRunner(cluster_kwargs={"n_workers": n_workers, "threads_per_worker": 1, "processes": True})
     )
-    return embed_flow.with_options(task_runner=runner)(config)
+    if address or PREFECT_API_URL.value():
+        return embed_flow.with_options(task_runner=runner)(config)
+    return _with_one_server(lambda: embed_flow.with_options(task_runner=runner)(config))
+
+
+def _with_one_server(run: Any) -> Any:
+    """Run the flow against one temporary Prefect server that the local cluster's workers inherit (they read
+    PREFECT_API_URL from the environment they are spawned with), stopped when the job ends."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import temporary_settings
+
+    server = SubprocessASGIServer()
+    server.start()
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            return run()
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+        server.stop()
 
 
 if __name__ == "__main__":

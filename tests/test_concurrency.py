@@ -147,3 +147,196 @@ def test_an_unreachable_tracking_server_fails_a_training_in_seconds_before_any_w
     assert result.returncode == 2 and seconds < 15, (seconds, result.stderr)
     assert "no MLflow server answers at http://127.0.0.1:9" in result.stderr and "tracking: none" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+    # the same for an embedding job whose model is a registered one
+    started = time.perf_counter()
+    embedded = run_elmo(
+        "embed", "--model", "models:/elmo/latest", "--input", "x.txt", "--out", str(tmp_path / "e"), env=env
+    )
+    assert embedded.returncode == 2 and time.perf_counter() - started < 15
+    assert "no MLflow server answers at http://127.0.0.1:9" in embedded.stderr and not (tmp_path / "e").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_training(tmp_path, bilm_tf_dir):
+    import json
+    import os
+    import signal
+    import urllib.request
+
+    from elmo_core.ingest import IngestConfig, ingest
+    from elmo_core.options import VocabConfig
+    from elmo_core.vocab import build_vocab
+    from tests.test_train import FIXTURE_OPTIONS
+
+    ingest(
+        IngestConfig(sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0)
+    )
+    build_vocab(
+        VocabConfig(
+            corpus=str(tmp_path / "ing"),
+            db=str(tmp_path / "vocab" / "vocab.duckdb"),
+            vocab_file=str(bilm_tf_dir / "train" / "vocab.txt"),
+        )
+    )
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server_env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    server = subprocess.Popen(
+        [
+            str(mlflow_bin),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(tmp_path / "art"),
+        ],
+        env=server_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not start")
+        config = {
+            **FIXTURE_OPTIONS,
+            "data": str(tmp_path / "vocab"),
+            "out": str(tmp_path / "run"),
+            "max_steps": 400,
+            "log_every": 1,
+            "checkpoint_every": 100,
+            "tracking": "mlflow",
+            "tracking_uri": uri,
+        }
+        (tmp_path / "train.json").write_text(json.dumps(config))
+        training = subprocess.Popen(
+            [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(tmp_path / "train.json")],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        for _ in range(600):
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 30:
+                break
+            time.sleep(0.1)
+        os.killpg(server.pid, signal.SIGKILL)  # the store goes away mid-run
+        server.wait(timeout=30)
+        gone = time.perf_counter()
+        _, stderr = training.communicate(timeout=240)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert training.returncode == 0, stderr[-2000:]
+    assert time.perf_counter() - gone < 180  # not MLflow's minutes of retries per call
+    assert len(metrics.read_text().splitlines()) == 400 and (tmp_path / "run" / "model" / "weights.hdf5").exists()
+    assert "was unreachable for part of the run; not logged:" in stderr and "metric points" in stderr
+
+
+DASK_SCRIPT = """
+import json, sys
+from elmo_core.embed import EmbedConfig
+from flows.embed import run_on_dask
+
+if __name__ == "__main__":
+    print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))
+"""
+
+
+@pytest.mark.slow
+def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(tmp_path, allennlp_dir):
+    import os
+    import signal
+
+    import psutil
+
+    from elmo_core.embed import EmbedConfig
+    from elmo_core.ingest import IngestConfig, ingest
+
+    lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(WORDS * 40)]
+    (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
+    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing")))
+    out = tmp_path / "emb"
+    config = EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(out), unit_tokens=70)
+    script = tmp_path / "embed_on_dask.py"  # the README's example as a saved script, with its main guard
+    script.write_text(DASK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(script), config.model_dump_json()],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    job = start()
+    seen: set[int] = set()
+    for _ in range(1800):
+        family = psutil.Process(job.pid).children(recursive=True)
+        seen |= {p.pid for p in family}
+        if len(list(out.glob("part-*.parquet"))) >= 4:
+            break
+        time.sleep(0.1)
+    cmdlines = [" ".join(p.cmdline()) for p in family if p.is_running()]
+    assert sum("uvicorn" in c for c in cmdlines) == 1  # one Prefect server for the flow and its workers
+    workers = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) >= 2
+    os.kill(workers[0].pid, signal.SIGKILL)
+    _, stderr = job.communicate(timeout=600)
+    if job.returncode != 0:  # the lost unit may fail the run: a rerun does what is missing
+        rerun = start()
+        _, stderr = rerun.communicate(timeout=600)
+        assert rerun.returncode == 0, stderr[-3000:]
+    tokens = sum(len(line.split()) for line in lines)
+    assert _rows(out) == (tokens, tokens)
+    time.sleep(2)
+    alive = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [" ".join(psutil.Process(p).cmdline()) for p in alive]
+
+
+def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir):
+    import os
+
+    from elmo_core.embed import EmbedConfig
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(DASK_SCRIPT.replace('if __name__ == "__main__":\n    ', ""))
+    source = _text(tmp_path / "a.txt", 20, 5)  # a real input: the workers start when its units are sent
+    config = EmbedConfig(model=str(allennlp_dir), input=str(source), out=str(tmp_path / "emb"))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    result = subprocess.run(
+        [sys.executable, str(script), config.model_dump_json()],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert 'put the call under `if __name__ == "__main__":`' in result.stderr
