@@ -12,6 +12,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import sys
 import time
 import types
@@ -89,6 +90,8 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], position
     """One argument per field of ``model``; values not given stay out of the namespace (the model's defaults hold)."""
     for name, field in model.model_fields.items():
         kind, nullable = _unwrap_optional(field.annotation)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = str  # e.g. int | "auto": the text as given, validated by the model
         default = field.default if field.default is not PydanticUndefined else None
         help_text = field.description or ""
         if field.is_required():
@@ -247,9 +250,13 @@ def cmd_vocab(config: VocabConfig) -> None:
 
 
 def cmd_train(config: TrainConfig) -> None:
-    from elmo_core.train import describe_perplexity, train
+    from elmo_core.launch import launch, write_result
+    from elmo_core.train import describe_perplexity
 
-    result = train(config)
+    result = launch(config)  # --nproc-per-node N: torch.distributed.run with N ranks, this command in each
+    if os.environ.get("ELMO_RESULT_FILE"):  # a rank of a launch: rank 0 tells the launcher, which reports
+        write_result(result)
+        return
     print(
         f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} "
         f"-> {result.model_dir}" + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else "")

@@ -32,5 +32,9 @@ class TrainingDivergedError(ElmoError):
     """The loss became NaN or infinite."""
 
 
+class TrainingStopped(ElmoError):
+    """A launched training was asked to stop (SIGTERM): it checkpointed and ended; a rerun resumes."""
+
+
 class TrackingError(ElmoError):
     """The MLflow store or a model URI cannot be used."""

@@ -199,6 +199,12 @@ class TrainOptions(Options):
         "stop", description="a NaN loss stops the run (naming the last good checkpoint) or skips the batch"
     )
     resume: bool = Field(False, description="continue from the newest valid checkpoint in out/")
+    nproc_per_node: int | Literal["auto"] = Field(
+        1, description="processes per machine (torch.distributed.run, started for you): N, or auto = the visible GPUs"
+    )
+    nnodes: int = Field(1, gt=0, description="machines taking part (run the same command on each)")
+    node_rank: int = Field(0, ge=0, description="this machine's number among them, 0 .. nnodes-1")
+    rdzv_endpoint: str | None = Field(None, description="host:port where the machines meet (c10d rendezvous)")
     wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")

@@ -46,7 +46,7 @@ from elmo_core.model import BiLM, ScalarMix
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
-from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, resolve_model_dir
+from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
 from elmo_core.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
 
 log = logging.getLogger(__name__)
@@ -232,6 +232,8 @@ def wsd_scores(examples: list[SenseExample], vectors: dict[str, np.ndarray]) -> 
 
 def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]:
     """``elmo probe wsd``: embed the occurrences, score 1-NN per layer, write results.json and chart.png, log them."""
+    if config.tracking == "mlflow" and tracker is None:
+        check_reachable(config.tracking_uri)  # in seconds, before any work
     data = Path(config.data) if config.data else DEFAULT_DIR
     examples = read_sense_examples(data)
     bilm, model_dir = load_model(config.model, config.device)
@@ -358,6 +360,8 @@ def train_probe(
 
 def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]:
     """``elmo probe tag``: a linear probe per layer and over a learned mix; results.json, chart.png, MLflow."""
+    if config.tracking == "mlflow" and tracker is None:
+        check_reachable(config.tracking_uri)  # in seconds, before any work
     splits = {"train": config.train, "dev": config.dev, **({"test": config.test} if config.test else {})}
     data = {split: read_tagged(path, config.column) for split, path in splits.items()}
     tagset = sorted({tag for _, tags in data["train"] for tag in tags})

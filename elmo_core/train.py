@@ -23,6 +23,8 @@ import logging
 import math
 import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,7 +38,14 @@ from torch import Tensor, nn
 from elmo_core.batches import LMBatcher
 from elmo_core.chars import model_ids
 from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
-from elmo_core.errors import CheckpointError, ConfigError, ElmoError, InputError, TrainingDivergedError
+from elmo_core.errors import (
+    CheckpointError,
+    ConfigError,
+    ElmoError,
+    InputError,
+    TrainingDivergedError,
+    TrainingStopped,
+)
 from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
@@ -765,9 +774,36 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
             lock.release()
 
 
+class _StopRequest:
+    """SIGTERM to a rank of a launch (``launch.py``) asks it to stop: every rank stops at the same step (the flag is
+    all-reduced each step), after a checkpoint. Active only in a launched rank's main thread."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.active = "LOCAL_RANK" in os.environ and threading.current_thread() is threading.main_thread()
+        self._previous = signal.signal(signal.SIGTERM, self._ask) if self.active else None
+
+    def _ask(self, *_: object) -> None:
+        self.asked = True
+
+    def agreed(self, run: Run) -> bool:
+        if not self.active:
+            return False
+        if run.ddp.world == 1:
+            return self.asked
+        flag = torch.tensor([int(self.asked)], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
     run = setup(config, tracker)
     status = "FAILED"
+    stop = _StopRequest()
     try:
         with track("train", run.total_steps, "steps", done=run.step) as progress:
             window = Window(run.tokens_per_step)
@@ -782,13 +818,19 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
                     evaluate_heldout(run)
                 if run.step % config.checkpoint_every == 0 and run.step < run.total_steps:
                     save(run)
+                if stop.agreed(run):
+                    path = save(run)
+                    raise TrainingStopped(f"stopped at step {run.step} on request; checkpoint {path}; rerun to resume")
         result = finish(run)
+        if run.ddp.world > 1:
+            dist.barrier()  # every rank leaves together: none tears its process group down under another's export
         status = "FINISHED"
         return result
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, TrainingStopped):
         status = "KILLED"
         raise
     finally:
+        stop.restore()
         run.tracker.close(status)
         if run.ddp.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -27,6 +27,7 @@ from elmo_core.corpus import write_default_corpus
 from elmo_core.errors import InputError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.ingest import dataset_options, find_sources, ingest, option_changes
+from elmo_core.launch import launch
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
     EmbedConfig,
@@ -40,7 +41,7 @@ from elmo_core.options import (
     VocabOptions,
 )
 from elmo_core.tracking import MLflowTracker
-from elmo_core.train import describe_perplexity, evaluate_splits, export_checkpoint, train
+from elmo_core.train import describe_perplexity, evaluate_splits, export_checkpoint
 from elmo_core.vocab import build_vocab
 from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link, retry_unless_user_error, run_main, stage
 from flows.embed import embed_flow
@@ -193,7 +194,8 @@ def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, An
 @stage
 def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        result = train(config)  # resume=True: an interrupted run with these inputs continues
+        # resume=True: an interrupted run with these inputs continues; nproc_per_node > 1: torchrun, rank 0's lines
+        result = launch(config, on_line=get_run_logger().info)
         return {
             "steps": result.steps,
             "final_loss": result.final_loss,

@@ -154,6 +154,24 @@ def test_an_unreachable_tracking_server_fails_a_training_in_seconds_before_any_w
     )
     assert embedded.returncode == 2 and time.perf_counter() - started < 15
     assert "no MLflow server answers at http://127.0.0.1:9" in embedded.stderr and not (tmp_path / "e").exists()
+    # and for a probe, which logs its results as an MLflow run
+    tagging = ROOT / "data" / "probes" / "tagging"
+    started = time.perf_counter()
+    probe = run_elmo(
+        "probe",
+        "tag",
+        "--model",
+        "m",
+        "--train",
+        str(tagging / "train.tsv"),
+        "--dev",
+        str(tagging / "dev.tsv"),
+        "--out",
+        str(tmp_path / "p"),
+        env=env,
+    )
+    assert probe.returncode == 2 and time.perf_counter() - started < 15
+    assert "no MLflow server answers at http://127.0.0.1:9" in probe.stderr and not (tmp_path / "p").exists()
 
 
 def _free_port() -> int:

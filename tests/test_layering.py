@@ -31,7 +31,8 @@ LAYERS = [
     "softmax",
     "checkpoint",
     "tracking",
-    "train",  # training
+    "train",
+    "launch",  # training, on one process or launched on several
     "embed",
     "probe",
     "query",

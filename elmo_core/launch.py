@@ -1,0 +1,209 @@
+"""Training on several processes without typing torchrun: PyTorch's own launcher (``torch.distributed.run``) as a
+child process group that the train stage owns.
+
+``launch(config)`` trains in this process when the launch options ask for one process; otherwise it starts
+torchrun with ``nproc_per_node`` ranks (``auto``: the visible GPUs, else 1) on ``nnodes`` machines, streams rank 0's
+lines to ``on_line`` (the terminal, or Prefect's logger), and returns rank 0's result from the file it writes. A rank
+that dies ends the launch in one line naming it and its last error; a stop (SIGTERM or SIGINT to this process, a
+Prefect cancel) reaches every rank, which stop at the same step after a checkpoint, and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from elmo_core.errors import ElmoError
+from elmo_core.options import TrainConfig
+from elmo_core.train import TrainResult, train
+
+log = logging.getLogger(__name__)
+
+LAUNCH_DIR = ".launch"  # in the run folder: the ranks' config, logs and rank 0's result
+RESULT_FILE = "result.json"
+GRACE_S = 25.0  # a stop waits this long for the ranks' checkpoint (Prefect's grace period is 30 s)
+
+
+class LaunchError(ElmoError):
+    """A rank of a launched training failed."""
+
+
+def world_of(config: TrainConfig) -> tuple[int, int]:
+    """(processes per node, nodes) the launch options ask for; ``auto``: the visible GPUs, else 1."""
+    per_node = config.nproc_per_node
+    if per_node == "auto":
+        per_node = torch.cuda.device_count() or 1
+    return int(per_node), config.nnodes
+
+
+def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume) with the launch options of ``config``; see the module docstring."""
+    per_node, nodes = world_of(config)
+    if per_node * nodes == 1 or "LOCAL_RANK" in os.environ:  # one process, or already a rank of a launch
+        return train(config)
+    folder = Path(config.out) / LAUNCH_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RESULT_FILE).unlink(missing_ok=True)
+    config_file = folder / "config.json"
+    config_file.write_text(config.model_dump_json(indent=2))
+    log.info("launching %d processes per node on %d node(s) with torch.distributed.run", per_node, nodes)
+    child = subprocess.Popen(
+        _command(config, per_node, config_file, folder / "logs"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, which the stage ends as a whole
+        preexec_fn=_die_with_parent,
+        env={**os.environ, "ELMO_RESULT_FILE": str(folder / RESULT_FILE)},
+    )
+    lines: list[str] = []
+    with _stopping(child):
+        for line in child.stdout:  # type: ignore[union-attr]
+            lines.append(line.rstrip("\n"))
+            del lines[:-200]
+            on_line(_strip_rank_prefix(line.rstrip("\n")))
+        code = child.wait()
+    _end_group(child)
+    if code != 0:
+        raise LaunchError(_failure(lines, folder / "logs", code))
+    return TrainResult(**_read_result(folder / RESULT_FILE))
+
+
+def _command(config: TrainConfig, per_node: int, config_file: Path, logs: Path) -> list[str]:
+    rendezvous = (
+        ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint, "--node-rank", str(config.node_rank)]
+        if config.rdzv_endpoint
+        else ["--standalone"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(per_node),
+        "--nnodes",
+        str(config.nnodes),
+        *rendezvous,
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        "--tee",
+        "3",
+        "--local-ranks-filter",
+        "0",
+        "-m",
+        "elmo_core.cli",
+        "train",
+        "--config",
+        str(config_file),
+    ]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a killed flow run
+    never leaves a training behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _stopping:
+    """While the child runs: SIGTERM/SIGINT to this process (main thread only) become a stop of the whole group."""
+
+    def __init__(self, child: subprocess.Popen) -> None:
+        self.child = child
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> _stopping:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._stop)
+        return self
+
+    def _stop(self, signum: int, _frame: object) -> None:
+        log.warning("stopping every rank (a checkpoint first, at most %.0f s)", GRACE_S)
+        stop(self.child)
+        raise LaunchError(f"training stopped by signal {signal.Signals(signum).name}; rerun it to resume")
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def stop(child: subprocess.Popen) -> None:
+    """SIGTERM to every rank (they checkpoint at the same step and exit), then SIGKILL to what is left."""
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    _end_group(child)
+
+
+def _end_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:default)?\d+\]:")
+
+
+def _strip_rank_prefix(line: str) -> str:
+    return _RANK_PREFIX.sub("", line, count=1)
+
+
+def _failure(lines: list[str], logs: Path, code: int) -> str:
+    """One line: which rank failed, how, and its last error line (from torchrun's summary and the rank's log)."""
+    text = "\n".join(lines)
+    rank = re.search(r"rank\s*:\s*(\d+)", text)
+    exit_code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
+    if rank is None:
+        last = next((line for line in reversed(lines) if line.strip()), "")
+        return f"the launched training failed (exit code {code}): {_strip_rank_prefix(last)[:300]}"
+    number = int(exit_code.group(1)) if exit_code else code
+    how = f"killed by {signal.Signals(-number).name}" if number < 0 else f"exit code {number}"
+    return f"rank {rank.group(1)} of the launched training failed ({how}): {_last_error(logs, int(rank.group(1)))}"
+
+
+_ERROR_LINE = re.compile(r"^(elmo [\w ]+: error: |[\w.]*(Error|Exception): )")
+
+
+def _last_error(logs: Path, rank: int) -> str:
+    """The rank's own last error: its ``elmo train: error: …`` line, or the last line of a traceback."""
+    for path in sorted(logs.rglob(f"{rank}/stderr.log"), key=lambda p: p.stat().st_mtime, reverse=True):
+        errors = [line.strip() for line in path.read_text(errors="replace").splitlines() if _ERROR_LINE.match(line)]
+        if errors:
+            return errors[-1][:300]
+    return "it wrote no error of its own (killed from outside, or out of memory)"
+
+
+def _read_result(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        raise LaunchError(f"{path}: rank 0 wrote no result") from None
+    data["model_dir"] = Path(data["model_dir"])
+    return data
+
+
+def write_result(result: TrainResult) -> None:
+    """Rank 0 of a launch leaves its result where ``launch`` reads it (``ELMO_RESULT_FILE``)."""
+    target = os.environ.get("ELMO_RESULT_FILE")
+    if target and int(os.environ.get("RANK", "0")) == 0:
+        data = {**result.__dict__, "model_dir": str(result.model_dir)}
+        Path(target).write_text(json.dumps(data, default=str))

@@ -1,0 +1,124 @@
+"""``elmo train --nproc-per-node 2``: torchrun started for the user (gloo on the CPU), with real processes: both ranks
+train on disjoint sentences to identical weights and rank 0's result comes back; a rank killed with -9 ends the
+launch in one line naming it, with no process left; SIGTERM stops every rank after a checkpoint, and the rerun
+continues with exactly the losses of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from elmo_core.train import latest_checkpoint
+from tests.helpers import ROOT
+from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _config(tmp_path: Path, data: Path, name: str, **options) -> Path:
+    path = tmp_path / f"{name}.json"
+    base = {
+        **FIXTURE_OPTIONS,
+        "data": str(data),
+        "out": str(tmp_path / name),
+        "device": "cpu",
+        "checkpoint_every": 10_000,
+    }
+    path.write_text(json.dumps({**base, **options}))
+    return path
+
+
+def _start(config: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config), "--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _family_while(job: subprocess.Popen, until) -> set[psutil.Process]:
+    seen: dict[int, psutil.Process] = {}
+    for _ in range(1200):
+        for child in psutil.Process(job.pid).children(recursive=True):
+            seen.setdefault(child.pid, child)
+        if until():
+            break
+        time.sleep(0.1)
+    return set(seen.values())
+
+
+def _none_alive(processes: set[psutil.Process]) -> bool:
+    time.sleep(1)
+    return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def _steps(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_two_ranks_launched_for_the_user_train_disjoint_sentences_to_one_model(tmp_path, fixture_data):  # noqa: F811
+    job = _start(_config(tmp_path, fixture_data, "run", max_steps=6))
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    assert out.count("train: 6 steps") == 1  # rank 0's result, reported once by the launcher
+    digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
+    assert len(digests) == 2 and digests[0] == digests[1]
+    payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
+    rows = [json.loads(b)["forward"]["rows"] for b in payload["batchers"]]
+    assert len(rows) == 2 and rows[0] != rows[1]
+
+
+def test_a_rank_killed_ends_the_launch_in_one_line_naming_it_and_leaves_no_process(tmp_path, fixture_data):  # noqa: F811
+    run = tmp_path / "run"
+    job = _start(_config(tmp_path, fixture_data, "run", max_steps=5000))
+    family = _family_while(job, lambda: _steps(run) > 20)
+    (rank_1,) = [p for p in family if "elmo_core.cli" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+    rank_1.send_signal(signal.SIGKILL)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("elmo train: error: rank 1 of the launched training failed (killed by SIGKILL)"), last
+    assert _none_alive(family)
+
+
+def test_sigterm_stops_every_rank_after_a_checkpoint_and_the_rerun_resumes_exactly(tmp_path, fixture_data):  # noqa: F811
+    total = 60
+    whole = _start(_config(tmp_path, fixture_data, "whole", max_steps=total))
+    assert whole.wait(timeout=600) == 0, whole.communicate()[1][-2000:]
+    run = tmp_path / "stopped"
+    config = _config(tmp_path, fixture_data, "stopped", max_steps=total, resume=True)
+    job = _start(config)
+    family = _family_while(job, lambda: _steps(run) > 10)
+    started = time.perf_counter()
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 2 and time.perf_counter() - started < 30
+    assert "training stopped by signal SIGTERM; rerun it to resume" in err
+    assert _none_alive(family)
+    checkpoint = latest_checkpoint(run)
+    assert checkpoint is not None
+    stopped_at = int(checkpoint.stem.split("-")[1])
+    assert 10 <= stopped_at < total
+    rerun = _start(config)
+    out, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err[-2000:]
+    assert f"resumed from {checkpoint}" in out + err
+    assert _losses(run) == _losses(tmp_path / "whole")  # every step's loss, before and after the stop
