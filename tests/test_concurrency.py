@@ -273,6 +273,24 @@ def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_t
     assert "was unreachable for part of the run; not logged:" in stderr and "metric points" in stderr
 
 
+def _cmdline(process) -> str:
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # ended since it was seen
+        return ""
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 DASK_SCRIPT = """
 import json, sys
 from elmo_core.embed import EmbedConfig
@@ -321,9 +339,9 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
         if len(list(out.glob("part-*.parquet"))) >= 4:
             break
         time.sleep(0.1)
-    cmdlines = [" ".join(p.cmdline()) for p in family if p.is_running()]
-    assert sum("uvicorn" in c for c in cmdlines) == 1  # one Prefect server for the flow and its workers
-    workers = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
+    cmdlines = {p.pid: _cmdline(p) for p in family}
+    assert sum("uvicorn" in c for c in cmdlines.values()) == 1  # one Prefect server for the flow and its workers
+    workers = [p for p in family if "spawn_main" in cmdlines[p.pid]]
     assert len(workers) >= 2
     os.kill(workers[0].pid, signal.SIGKILL)
     _, stderr = job.communicate(timeout=600)
@@ -334,8 +352,8 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
     tokens = sum(len(line.split()) for line in lines)
     assert _rows(out) == (tokens, tokens)
     time.sleep(2)
-    alive = [pid for pid in seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, [" ".join(psutil.Process(p).cmdline()) for p in alive]
+    alive = [pid for pid in seen if _running(pid)]
+    assert not alive, [_cmdline(psutil.Process(p)) for p in alive if _running(p)]
 
 
 def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir):

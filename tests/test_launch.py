@@ -60,9 +60,27 @@ def _family_while(job: subprocess.Popen, until) -> set[psutil.Process]:
     return set(seen.values())
 
 
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone between the two questions
+        return False
+
+
 def _none_alive(processes: set[psutil.Process]) -> bool:
     time.sleep(1)
-    return not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return not [p for p in processes if _alive(p)]
+
+
+def _rank(processes: set[psutil.Process], rank: int) -> psutil.Process:
+    """The process of a launched rank, among those seen (some may have ended since: torchrun's helpers)."""
+    for process in processes:
+        try:
+            if "elmo_core.cli" in " ".join(process.cmdline()) and process.environ().get("RANK") == str(rank):
+                return process
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no rank {rank} among {len(processes)} processes")
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -90,8 +108,7 @@ def test_a_rank_killed_ends_the_launch_in_one_line_naming_it_and_leaves_no_proce
     run = tmp_path / "run"
     job = _start(_config(tmp_path, fixture_data, "run", max_steps=5000))
     family = _family_while(job, lambda: _steps(run) > 20)
-    (rank_1,) = [p for p in family if "elmo_core.cli" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
-    rank_1.send_signal(signal.SIGKILL)
+    _rank(family, 1).send_signal(signal.SIGKILL)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 2
     last = err.strip().splitlines()[-1]
