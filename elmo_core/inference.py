@@ -22,8 +22,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core.precision import resolve_precision
-
 log = logging.getLogger(__name__)
 
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
@@ -177,7 +175,7 @@ def embed_sentences(
     else:
         batches = length_batches(lengths, max_batch_tokens, batch_size)
     results: list[np.ndarray | None] = [None] * len(sentences)
-    with bilm.prepared(resolve_precision(precision, bilm.device)):
+    with bilm.prepared(precision):
         for batch, layers, counts in token_rows(bilm, sentences, batches, carry):
             stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
             start = 0

@@ -437,6 +437,11 @@ def _with_boundaries(inputs: Tensor, bos: Tensor, eos: Tensor) -> tuple[Tensor, 
     return ids, lengths + 2, mask
 
 
+def _precision_of(kernels: Kernels | None) -> contextlib.AbstractContextManager:
+    """The autocast a call runs under: its kernels' (bf16 where chosen), else the caller's own."""
+    return kernels.autocast() if kernels is not None else contextlib.nullcontext()
+
+
 class BiLM(nn.Module):
     """The bidirectional language model of ELMo: token encoder + forward/backward LSTM stacks (+ softmax).
 
@@ -540,11 +545,6 @@ class BiLM(nn.Module):
         encoder = kernels.token_encoder(self.token_encoder) if kernels is not None else self.token_encoder
         return encoder(char_ids)
 
-    def embed_chars(self, char_ids: Tensor) -> Tensor:
-        """(..., C) ids ─► (..., P). Each distinct word runs through the char CNN once."""
-        table, index = self._distinct_chars(char_ids.reshape(-1, char_ids.shape[-1]), self._kernels_for_call())
-        return table[index].view(*char_ids.shape[:-1], -1)
-
     def _distinct_chars(self, flat: Tensor, kernels: Kernels | None) -> tuple[Tensor, Tensor]:
         """(N, C) char ids ─► table (U + 1, P) of the distinct words' embeddings (last row zero) and index (N,)."""
         real = (flat > 0).any(-1)
@@ -565,7 +565,7 @@ class BiLM(nn.Module):
         chunks = []
         with torch.no_grad():
             kernels = self._kernels_for_call()
-            with kernels.autocast() if kernels is not None else contextlib.nullcontext():
+            with _precision_of(kernels):
                 for start in range(0, len(tokens), batch_size):
                     ids = torch.from_numpy(tokens_to_char_array(tokens[start : start + batch_size], max_chars)).long()
                     chunks.append(self._encode(ids.to(self.device), kernels))
@@ -621,7 +621,7 @@ class BiLM(nn.Module):
         that stream's order, and ``dropout`` applies to each LSTM layer's input.
         """
         kernels = self._kernels_for_call()
-        with kernels.autocast() if kernels is not None else contextlib.nullcontext():
+        with _precision_of(kernels):
             tokens = self._tokens(inputs, token_table, backward_inputs, kernels)
             packing = Packing.of(tokens.lengths)
             ids = packing.read(tokens.forward, tokens.backward)
@@ -631,12 +631,13 @@ class BiLM(nn.Module):
             outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell=make_cell, dropout=dropout)
         if layout == "tokens":
             slots, counts = packing.token_slots(tokens)
-            layers = [slots.embeddings(tokens.table, ids), *(slots.unpack(out) for out in outputs)]
-            return {"activations": layers, "counts": counts, "state": new_state}
-        if layout != "padded":
+        elif layout == "padded":
+            slots, shape, mask = packing.padded_slots(tokens, keep_boundaries)
+        else:
             raise ValueError(f"layout must be 'padded' or 'tokens', got {layout!r}")
-        slots, shape, mask = packing.padded_slots(tokens, keep_boundaries)
         layers = [slots.embeddings(tokens.table, ids), *(slots.unpack(out) for out in outputs)]
+        if layout == "tokens":
+            return {"activations": layers, "counts": counts, "state": new_state}
         return {"activations": [layer.view(*shape, -1) for layer in layers], "mask": mask, "state": new_state}
 
     def token_rows(
