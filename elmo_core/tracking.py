@@ -104,6 +104,7 @@ class _MetricQueue:
     def __init__(self, client: Any, run_id: str) -> None:
         self._client, self._run_id = client, run_id
         self._pending: list[Any] = []
+        self._sending = 0  # points of the batch a send is carrying right now
         self._lock = threading.Lock()
         self._wake, self._stopping = threading.Event(), False
         self.last_error: str | None = None
@@ -128,6 +129,7 @@ class _MetricQueue:
     def _send(self) -> bool:
         with self._lock:
             batch, self._pending = self._pending[: self.BATCH], self._pending[self.BATCH :]
+            self._sending = len(batch)
         if not batch:
             return True
         try:
@@ -138,12 +140,18 @@ class _MetricQueue:
             with self._lock:
                 self._pending = batch + self._pending
             return False
+        finally:
+            with self._lock:
+                self._sending = 0
 
     def close(self, deadline_s: float = 15.0) -> int:
         """Send what is left (stopping at the deadline); the number of points that could not be logged."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=deadline_s)
+        if self._thread.is_alive():  # still inside a send: never send beside it; its batch counts as not logged
+            with self._lock:
+                return len(self._pending) + self._sending
         end = time.monotonic() + deadline_s
         while self._pending and time.monotonic() < end and self._send():
             pass
