@@ -833,6 +833,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
         stop.restore()
         run.tracker.close(status)
         if run.ddp.world > 1 and dist.is_initialized():
+            run.model = getattr(run.model, "module", run.model)  # DDP's reducer goes before the group it uses
             dist.destroy_process_group()
 
 
