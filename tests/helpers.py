@@ -15,8 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_elmo(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``elmo ARGS`` in a real subprocess from the project root, its output captured as text."""
+    return run_module("elmo_core.cli", *args, env=env, timeout=timeout)
+
+
+def run_module(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` (a flow's command line, the CLI) the same way."""
     return subprocess.run(
-        [sys.executable, "-m", "elmo_core.cli", *args],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -15,6 +15,7 @@ import pytest
 from elmo_core.embed import LOCK_NAME, work_dir
 from elmo_core.fileio import FolderLock
 from tests.helpers import ROOT, run_elmo
+from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture: bilm-tf's data, its vocab)
 
 WORDS = ["apple", "river", "bank", "stone", "light", "music", "paper", "green", "seven", "quiet"]
 
@@ -183,27 +184,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_training(tmp_path, bilm_tf_dir):
+def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_training(tmp_path, fixture_data):  # noqa: F811
     import json
     import os
     import signal
     import urllib.request
 
-    from elmo_core.ingest import IngestConfig, ingest
-    from elmo_core.options import VocabConfig
-    from elmo_core.vocab import build_vocab
-    from tests.test_train import FIXTURE_OPTIONS
-
-    ingest(
-        IngestConfig(sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0)
-    )
-    build_vocab(
-        VocabConfig(
-            corpus=str(tmp_path / "ing"),
-            db=str(tmp_path / "vocab" / "vocab.duckdb"),
-            vocab_file=str(bilm_tf_dir / "train" / "vocab.txt"),
-        )
-    )
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     server_env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -239,7 +225,7 @@ def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_t
             pytest.fail("mlflow server did not start")
         config = {
             **FIXTURE_OPTIONS,
-            "data": str(tmp_path / "vocab"),
+            "data": str(fixture_data),
             "out": str(tmp_path / "run"),
             "max_steps": 400,
             "log_every": 1,

@@ -19,6 +19,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from tests.helpers import run_module
+
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -357,14 +359,7 @@ def test_a_failing_flow_reports_its_reason_once_without_tracebacks_or_retries(pr
         "input": str(ROOT / "data" / "probes" / "apple.txt"),
         "out": str(tmp_path / "a_file"),
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "flows.embed", json.dumps(config)],
-        cwd=ROOT,
-        env=prefect_server,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_module("flows.embed", json.dumps(config), env=prefect_server)
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output
     reason = f"{tmp_path / 'a_file'}: is a file; --out takes a folder"

@@ -16,7 +16,7 @@ from elmo_core.errors import OutputError
 from elmo_core.ingest import IngestConfig, ingest, shard_paths
 from elmo_core.options import Source, VocabConfig
 from elmo_core.vocab import build_vocab
-from tests.helpers import run_elmo
+from tests.helpers import run_elmo, run_module
 
 TRAIN = [f"the cat number {i} sat on the mat ." for i in range(40)] + ["a dog ran ."] * 3
 VALID = [f"the dog number {i} ran off ." for i in range(7)]
@@ -169,12 +169,9 @@ def test_elmo_perplexity_on_the_test_split(tmp_path, allennlp_dir):
 @pytest.mark.slow
 def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tmp_path):
     import os
-    import subprocess
-    import sys
 
     from mlflow.tracking import MlflowClient
 
-    root = Path(__file__).resolve().parent.parent
     train = _write(tmp_path / "corpus" / "train.txt", TRAIN * 3)
     valid = _write(tmp_path / "corpus" / "valid.txt", VALID)
     test = _write(tmp_path / "corpus" / "test.txt", TEST)
@@ -187,14 +184,7 @@ def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tm
         "train": {"preset": "tiny", "max_steps": 4, "batch_size": 4, "unroll_steps": 5, "n_negative_samples_batch": 16},
     }
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": ""}
-    result = subprocess.run(
-        [sys.executable, "-m", "flows.pipeline", json.dumps(params)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_module("flows.pipeline", json.dumps(params), env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = result.stdout + result.stderr  # the flow's prints go through Prefect's logger
     assert "heldout     perplexity" in printed and "test        perplexity" in printed
