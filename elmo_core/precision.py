@@ -53,13 +53,39 @@ def cpu_has_native_bf16() -> bool:
 _warned: set[str] = set()
 
 
+def native_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether ``device`` computes bfloat16 products natively, and what says so (for the run's log)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{torch.cuda.get_device_name(device)} computes bfloat16 natively"
+        return False, "this GPU has no native bfloat16"
+    if device.type == "cpu":
+        if cpu_has_native_bf16():
+            return True, f"the CPU has bfloat16 instructions (avx512_bf16 or AMX; torch capability {cpu_capability()})"
+        return False, f"the CPU has no bfloat16 instructions (torch capability {cpu_capability()})"
+    return False, f"{device.type} is not known to compute bfloat16 natively"
+
+
+def choose_precision(precision: str, device: torch.device | str) -> tuple[str, str]:
+    """The precision a run computes in, and why: ``auto`` is bf16 wherever the hardware computes it natively (CUDA
+    with bf16, CPUs with avx512_bf16 or AMX) and fp32 elsewhere; fp32 and bf16 are taken as asked."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision != "auto":
+        return resolve_precision(precision, device), f"asked for {precision}"
+    native, why = native_bf16(device)
+    return ("bf16" if native else "fp32"), f"auto: {why}"
+
+
 def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """``auto`` → bf16 on CUDA, fp32 on the CPU; warns once when bf16 will be emulated on this CPU."""
+    """``auto`` → bf16 where ``device`` computes it natively, else fp32 (``choose_precision``); warns once when
+    bf16 is asked for on a CPU that will emulate it."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     device_type = torch.device(device).type
     if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
+        return choose_precision(precision, device)[0]
     if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16() and "cpu" not in _warned:
         _warned.add("cpu")
         log.warning(

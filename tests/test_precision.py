@@ -85,8 +85,24 @@ def test_a_cpu_without_native_bf16_still_runs_and_is_told_once(allennlp_dir, mon
 def test_precision_names_are_checked():
     with pytest.raises(ValueError, match="precision must be one of"):
         precision_module.resolve_precision("fp16", "cpu")
+
+
+def test_auto_is_bf16_where_the_hardware_computes_it_natively_and_says_why(monkeypatch):
+    native = precision_module.cpu_has_native_bf16()
+    chosen, why = precision_module.choose_precision("auto", "cpu")
+    assert chosen == ("bf16" if native else "fp32")
+    assert why.startswith("auto: the CPU has") and ("bfloat16 instructions" in why)
+    monkeypatch.setenv("ELMO_ASSUME_NO_BF16", "1")  # a CPU without avx512_bf16 / AMX
+    chosen, why = precision_module.choose_precision("auto", "cpu")
+    assert chosen == "fp32" and why.startswith("auto: the CPU has no bfloat16 instructions")
     assert precision_module.resolve_precision("auto", "cpu") == "fp32"
-    assert precision_module.resolve_precision("auto", "cuda") == "bf16"
+    assert precision_module.choose_precision("bf16", "cpu") == ("bf16", "asked for bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert precision_module.choose_precision("auto", "cuda") == ("bf16", "auto: NVIDIA H200 computes bfloat16 natively")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert precision_module.resolve_precision("auto", "cuda") == "fp32"  # a GPU before Ampere
 
 
 def test_cuda_asked_for_without_a_gpu_falls_back_to_the_cpu_with_a_warning(monkeypatch, caplog):
