@@ -184,11 +184,18 @@ class TrainOptions(Options):
     )
     seed: int = Field(0, description="seeds the model init, the data order and the sampler")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    lr_schedule: Literal["constant", "inverse_sqrt", "cosine"] = Field(
+        "constant",
+        description="after the warm-up: constant (bilm-tf), inverse_sqrt (lr * sqrt(warmup/step)) or cosine (to 0 at "
+        "the last step)",
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to learning_rate")
     precision: Precision = Field(
         "auto",
-        description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 on CUDA, fp32 on CPU",
+        description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 where the hardware "
+        "computes it natively (CUDA, CPUs with avx512_bf16 or AMX), else fp32",
     )
-    bf16: bool | None = Field(None, description="deprecated: use --precision (true = auto, false = fp32)")
+    bf16: bool | None = Field(None, description="deprecated: use --precision (true = bf16, false = fp32)")
     compile: bool = Field(False, description="torch.compile the token encoder")
     log_every: int = Field(10, gt=0, description="steps between logged metrics")
     checkpoint_every: int = Field(1250, gt=0, description="steps between checkpoints")
@@ -213,7 +220,7 @@ class TrainOptions(Options):
     @model_validator(mode="before")
     @classmethod
     def _bf16_alias(cls, data: Any) -> Any:
-        return _deprecated_bf16(data, "auto", "train")
+        return _deprecated_bf16(data, "bf16", "train")
 
     def architecture(self, n_tokens_vocab: int | None = None) -> ModelConfig:
         """The model to build: ``model`` if given, else the preset; with a softmax over ``n_tokens_vocab`` words."""

@@ -49,7 +49,7 @@ from elmo_core.errors import (
 from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
-from elmo_core.precision import autocast, pick_device, resolve_precision
+from elmo_core.precision import autocast, choose_precision, pick_device
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
@@ -356,6 +356,20 @@ def _make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
+def learning_rate_at(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The rate of step ``step`` (1-based): a linear warm-up, then the schedule. A function of the step alone, so an
+    exact resume needs no scheduler state."""
+    base, warmup = config.learning_rate, config.warmup_steps
+    if step <= warmup:
+        return base * step / warmup
+    if config.lr_schedule == "inverse_sqrt":
+        return base * math.sqrt(max(warmup, 1) / step)
+    if config.lr_schedule == "cosine":
+        done = (step - warmup) / max(total_steps - warmup, 1)
+        return base * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
+    return base
+
+
 def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
     """Global-norm clipping that also handles sparse gradients (TF ``clip_by_global_norm``)."""
     squares = []
@@ -441,13 +455,16 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     if ddp.world > 1:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
+    precision, why = choose_precision(config.precision, device)
+    if ddp.main:
+        log.info("precision %s (%s)", precision, why)
     run = Run(
         config=config,
         out=out,
         data=data,
         device=device,
         ddp=ddp,
-        precision=resolve_precision(config.precision, device),
+        precision=precision,
         vocab=vocab,
         unigram_counts=counts,
         bilm=bilm,
@@ -506,6 +523,7 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
                 "sparse_softmax": sparse,
                 "device": str(run.device),
                 "precision": run.precision,
+                "precision_reason": choose_precision(config.precision, run.device)[1],
             },
         }
     )
@@ -678,6 +696,9 @@ def step(run: Run) -> dict[str, float] | None:
         return None
     (loss * config.unroll_steps).backward()  # bilm-tf: summed over time, averaged over the batch
     grad_norm = _clip_global_norm(run.params, config.all_clip_norm_val)
+    if config.lr_schedule != "constant" or config.warmup_steps:
+        for group in run.optimizer.param_groups:
+            group["lr"] = learning_rate_at(config, run.step, run.total_steps)
     run.optimizer.step()
     run.loss = float(loss.detach())
     record = {

@@ -225,6 +225,30 @@ def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
     assert len(list((tmp_path / "run" / "checkpoints").glob("step-*.pt"))) == 2
 
 
+def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_path):
+    """Warm-up, then constant, inverse square root or cosine; the optimizer runs the rate of its step (so an exact
+    resume needs no scheduler state)."""
+    from elmo_core.train import learning_rate_at, setup, step
+
+    config = TrainConfig(
+        data=str(fixture_data),
+        out=str(tmp_path / "run"),
+        **{**FIXTURE_OPTIONS, "optimizer": "adamw", "learning_rate": 0.01},
+        lr_schedule="inverse_sqrt",
+        warmup_steps=4,
+        max_steps=20,
+    )
+    assert [learning_rate_at(config, s, 20) for s in (1, 2, 4, 16)] == pytest.approx([0.0025, 0.005, 0.01, 0.005])
+    cosine = config.model_copy(update={"lr_schedule": "cosine"})
+    assert [learning_rate_at(cosine, s, 20) for s in (4, 12, 20)] == pytest.approx([0.01, 0.005, 0.0])
+    constant = config.model_copy(update={"lr_schedule": "constant", "warmup_steps": 0})
+    assert learning_rate_at(constant, 1, 20) == learning_rate_at(constant, 20, 20) == 0.01
+    run = setup(config)
+    for expected_step in range(1, 7):
+        step(run)
+        assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
+
+
 def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
     train(
         TrainConfig(
@@ -348,6 +372,8 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["config.batch_size"] == "2" and run.data.params["architecture.lstm.dim"] == "16"
+    assert run.data.params["data.precision"] in ("fp32", "bf16")  # auto: bf16 where the CPU computes it natively
+    assert run.data.params["data.precision_reason"].startswith("auto: the CPU has")
     history = client.get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == list(range(5, 41, 5))
     assert {"perplexity_forward", "perplexity_backward", "tokens_per_s", "learning_rate", "grad_norm"} <= set(
