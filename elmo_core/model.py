@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from elmo_core import inference
-from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, tokens_to_char_array
+from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import InputError, WeightFileError
 from elmo_core.inference import LstmState
@@ -548,7 +548,7 @@ class BiLM(nn.Module):
     def _distinct_chars(self, flat: Tensor, kernels: Kernels | None) -> tuple[Tensor, Tensor]:
         """(N, C) char ids ─► table (U + 1, P) of the distinct words' embeddings (last row zero) and index (N,)."""
         real = (flat > 0).any(-1)
-        unique, inverse = torch.unique(flat[real], dim=0, return_inverse=True)
+        unique, inverse = distinct_rows(flat[real])
         if unique.shape[0]:
             encoded = self._encode(unique, kernels)
         else:

@@ -1,8 +1,9 @@
 """Character ids against bilm-tf's own batcher test (values listed in the fixtures README)."""
 
+import numpy as np
 import torch
 
-from elmo_core.chars import batch_to_ids, char_ids, raw_char_ids, tokens_to_char_array
+from elmo_core.chars import batch_to_ids, char_ids, distinct_rows, raw_char_ids, tokens_to_char_array
 
 PAD = [261]
 
@@ -43,3 +44,17 @@ def test_long_tokens_are_cut_to_48_bytes_even_mid_character():
     assert row[0] == 258 and row[49] == 259
     assert bytes(row[1:49]) == word.encode()[:48]
     assert raw_char_ids("x" * 1000)[49] == 259
+
+
+def test_distinct_rows_is_torch_unique_over_rows():
+    """The model's distinct-word step gives exactly what torch.unique(dim=0) gives: rows and inverse, on Zipfian
+    batches of real-looking words, one row, all rows equal, and rows that differ only in their last id."""
+    rng = np.random.default_rng(0)
+    words = torch.from_numpy(tokens_to_char_array([f"w{i}ord{'x' * (i % 9)}" for i in range(500)])).long()
+    tail = torch.full((3, 50), 261)
+    tail[1, -1], tail[2, -1] = 7, 8
+    cases = [words[torch.from_numpy(rng.zipf(1.3, 1280) % 500)], words[:1], words[[3] * 40], tail, words[:0]]
+    for rows in cases:
+        expected = torch.unique(rows, dim=0, return_inverse=True)
+        got = distinct_rows(rows)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
