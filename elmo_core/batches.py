@@ -8,7 +8,8 @@ The backward LM reads reversed sentences (``</S> wn … w1 <S>``) from an indepe
 
 Sentences come one Parquet row group at a time (memory stays flat as the corpus grows), in an order fixed by
 (seed, epoch): row groups shuffled, then the rows of each group. A row group is held in columnar form (flat ids,
-each distinct token's char row made once), so a sentence is two slices and one gather, not a Python list per token. Distributed rank r of w takes every w-th
+each distinct token's char row made once); filling a window notes which run of tokens each row takes, then gathers
+ids, targets and char rows for the whole window at once. Distributed rank r of w takes every w-th
 sentence of that order, so ranks see disjoint sentences. ``state_dict()`` is a small JSON-able object (epoch,
 row group, offset and the rows' unfinished sentences): after ``load_state_dict`` the batcher yields exactly the
 batches it would have yielded.
@@ -16,7 +17,7 @@ batches it would have yielded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,24 +50,6 @@ class _CharTable:
         return out
 
 
-class _Sentence:
-    """One sentence with its boundaries, as the packer reads it: ids (L,) and char rows (L, C), in reading order;
-    its token strings are made only for a checkpoint (``tokens``)."""
-
-    __slots__ = ("ids", "chars", "_tokens")
-
-    def __init__(self, ids: np.ndarray, chars: np.ndarray, tokens: Callable[[], list[str]]) -> None:
-        self.ids, self.chars, self._tokens = ids, chars, tokens
-
-    def tokens(self) -> list[str]:
-        return self._tokens()
-
-    @classmethod
-    def of(cls, ids: list[int], tokens: list[str], chars: _CharTable) -> _Sentence:
-        """From a checkpoint's ids and tokens (already with boundaries and in reading order)."""
-        return cls(np.asarray(ids, dtype=np.int32), chars.rows(tokens), lambda: list(tokens))
-
-
 @dataclass
 class _Unit:
     path: str
@@ -74,48 +57,57 @@ class _Unit:
 
 
 class _RowGroup:
-    """One row group's sentences in columnar form, boundaries included: flat ids, each distinct token's char row once
-    (and the boundaries'), flat indexes into those rows, and where each sentence starts."""
+    """Sentences in columnar form, each with its boundaries and in reading order (reversed for the backward LM):
+    flat ids, flat indexes into the char rows of each distinct token (made once), and where each sentence starts."""
 
-    def __init__(self, table: Any, chars: _CharTable) -> None:
+    def __init__(
+        self, ids: np.ndarray, index: np.ndarray, starts: np.ndarray, char_rows: np.ndarray, words: Any
+    ) -> None:
+        self.ids, self.index, self.char_rows, self.words = ids, index, char_rows, words  # words: index → token
+        self.starts = starts.tolist()  # Python ints: the packer reads them one at a time
+
+    @classmethod
+    def from_table(cls, table: Any, chars: _CharTable, reverse: bool) -> _RowGroup:
         ids, tokens = table.column("ids").combine_chunks(), table.column("tokens").combine_chunks()
-        lengths = np.diff(ids.offsets.to_numpy())
+        lengths = np.diff(ids.offsets.to_numpy()) + 2
         encoded = pc.dictionary_encode(tokens.flatten())
-        self.tokens = encoded.dictionary
-        n_words = len(self.tokens)
-        self.char_rows = chars.rows(self.tokens.to_pylist() + [BOS_TOKEN, EOS_TOKEN])  # (U + 2, C)
-        # <S> w1 … wn </S> per sentence: each sentence's words moved right by the boundaries before them
-        self.starts = np.concatenate([[0], np.cumsum(lengths + 2)])
-        total = int(self.starts[-1])
-        words = np.ones(total, dtype=bool)
-        words[self.starts[:-1]] = words[self.starts[1:] - 1] = False
-        self.ids = np.full(total, EOS_ID, dtype=np.int32)
-        self.ids[self.starts[:-1]] = BOS_ID
-        self.ids[words] = ids.flatten().to_numpy(zero_copy_only=False)
-        self.index = np.full(total, n_words + 1, dtype=np.int64)
-        self.index[self.starts[:-1]] = n_words
-        self.index[words] = encoded.indices.to_numpy(zero_copy_only=False)
+        n_words = len(encoded.dictionary)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        total = int(starts[-1])
+        inner = np.ones(total, dtype=bool)
+        inner[starts[:-1]] = inner[starts[1:] - 1] = False
+        flat_ids = np.full(total, EOS_ID, dtype=np.int32)
+        flat_ids[starts[:-1]] = BOS_ID
+        flat_ids[inner] = ids.flatten().to_numpy(zero_copy_only=False)
+        index = np.full(total, n_words + 1, dtype=np.int64)
+        index[starts[:-1]] = n_words
+        index[inner] = encoded.indices.to_numpy(zero_copy_only=False)
+        if reverse:  # each sentence back to front: </S> wn … w1 <S>
+            order = np.repeat(2 * starts[:-1] + lengths - 1, lengths) - np.arange(total)
+            flat_ids, index = flat_ids[order], index[order]
+        words = encoded.dictionary.to_pylist() + [BOS_TOKEN, EOS_TOKEN]
+        return cls(flat_ids, index, starts, chars.rows(words), words)
+
+    @classmethod
+    def from_sentences(cls, sentences: list[tuple[list[int], list[str]]], chars: _CharTable) -> _RowGroup:
+        """A checkpoint's unfinished sentences (ids and tokens as read), one per row that had one."""
+        lengths = [len(ids) for ids, _ in sentences]
+        words = [token for _, tokens in sentences for token in tokens]
+        flat_ids = np.asarray([i for ids, _ in sentences for i in ids], dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        return cls(flat_ids, np.arange(len(words)), starts, chars.rows(words), words)
 
     def __len__(self) -> int:
         return len(self.starts) - 1
 
-    def sentence(self, row: int, reverse: bool) -> _Sentence:
-        start, end = self.starts[row], self.starts[row + 1]
-        ids, index = self.ids[start:end], self.index[start:end]
-        if reverse:
-            ids, index = ids[::-1], index[::-1]
-        dictionary = self.tokens
-
-        def tokens() -> list[str]:
-            first, last = (EOS_TOKEN, BOS_TOKEN) if reverse else (BOS_TOKEN, EOS_TOKEN)
-            return [first, *(dictionary[int(i)].as_py() for i in index[1:-1]), last]
-
-        return _Sentence(ids, self.char_rows[index], tokens)
+    def unread(self, sentence: int, consumed: int) -> list[list[Any]]:
+        """A sentence's ids and tokens after its first ``consumed`` (what a checkpoint keeps of a row)."""
+        start, end = self.starts[sentence] + consumed, self.starts[sentence + 1]
+        return [self.ids[start:end].tolist(), [self.words[i] for i in self.index[start:end].tolist()]]
 
 
 class SentenceStream:
-    """Sentences of one direction (``_Sentence``: ids and char rows, boundaries included) in a seeded order;
-    position resumable."""
+    """Sentences of one direction as (row group, sentence number) in a seeded order; position resumable."""
 
     def __init__(
         self,
@@ -143,25 +135,23 @@ class SentenceStream:
             np.random.default_rng([self.seed, epoch]).shuffle(order)
         return order.tolist()
 
-    def _rows(self, epoch: int, position: int) -> tuple[_RowGroup, np.ndarray]:
+    def _rows(self, epoch: int, position: int) -> tuple[_RowGroup, list[int]]:
         """The row group at ``position`` of ``epoch``'s order, and which of its rows are this rank's, in order."""
         unit = self.units[self._order(epoch)[position]]
-        group = _RowGroup(
-            pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=["ids", "tokens"]), self.chars
-        )
+        table = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=["ids", "tokens"])
+        group = _RowGroup.from_table(table, self.chars, self.reverse)
         perm = np.arange(len(group))
         if self.shuffle:
             np.random.default_rng([self.seed, epoch, position]).shuffle(perm)
-        return group, perm[self.rank :: self.world]
+        return group, perm[self.rank :: self.world].tolist()
 
-    def __iter__(self) -> Iterator[_Sentence]:
+    def __iter__(self) -> Iterator[tuple[_RowGroup, int]]:
         while True:
             while self.unit < len(self.units):
                 group, mine = self._rows(self.epoch, self.unit)
                 while self.offset < len(mine):
-                    row = int(mine[self.offset])
                     self.offset += 1
-                    yield group.sentence(row, self.reverse)
+                    yield group, mine[self.offset - 1]
                 self.unit, self.offset = self.unit + 1, 0
             if not self.loop:
                 return
@@ -175,48 +165,66 @@ class SentenceStream:
 
 
 class _RowPacker:
-    """bilm-tf ``_get_batch`` for one direction: fills (B, T) windows from per-row sentence streams. Each row holds
-    its current sentence and how many of its tokens it has consumed."""
+    """bilm-tf ``_get_batch`` for one direction: fills (B, T) windows from per-row sentence streams.
+
+    Each row holds its sentence (row group, number) and how many of its tokens it consumed. Filling a window only
+    notes which run of tokens each piece takes; the ids, targets and char rows are then gathered for the whole
+    window at once (one gather per row group it reads)."""
 
     def __init__(self, stream: SentenceStream, batch_size: int, unroll_steps: int) -> None:
         self.stream, self.batch_size, self.unroll_steps = stream, batch_size, unroll_steps
-        self.rows: list[tuple[_Sentence, int] | None] = [None] * batch_size
+        self.rows: list[tuple[_RowGroup, int, int] | None] = [None] * batch_size
         self._sentences = iter(stream)
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         b, t = self.batch_size, self.unroll_steps
-        inputs = np.zeros((b, t), np.int32)
-        targets = np.zeros((b, t), np.int32)
-        chars = np.zeros((b, t, self.stream.chars.max_chars), np.int32)
+        groups: list[_RowGroup] = []
+        piece_group, piece_start, piece_length = [], [], []
         rows = self.rows
         for i in range(b):
             pos = 0
             while pos < t:
                 row = rows[i]
-                if row is None or len(row[0].ids) - row[1] <= 1:
+                if row is None or row[0].starts[row[1] + 1] - row[0].starts[row[1]] - row[2] <= 1:
                     try:
-                        row = (next(self._sentences), 0)
+                        group, sentence = next(self._sentences)
                     except StopIteration:  # out of data: the incomplete batch is dropped
                         return None
-                sentence, start = row
-                k = min(len(sentence.ids) - start - 1, t - pos)
-                inputs[i, pos : pos + k] = sentence.ids[start : start + k]
-                targets[i, pos : pos + k] = sentence.ids[start + 1 : start + k + 1]
-                chars[i, pos : pos + k] = sentence.chars[start : start + k]
-                rows[i] = (sentence, start + k)
+                    row = (group, sentence, 0)
+                group, sentence, consumed = row
+                start = group.starts[sentence] + consumed
+                k = min(group.starts[sentence + 1] - start - 1, t - pos)
+                if not groups or groups[-1] is not group:
+                    groups.append(group)
+                piece_group.append(len(groups) - 1)
+                piece_start.append(start)
+                piece_length.append(k)
+                rows[i] = (group, sentence, consumed + k)
                 pos += k
-        return inputs, targets, chars
+        lengths = np.asarray(piece_length)
+        ends = np.cumsum(lengths)
+        positions = np.repeat(np.asarray(piece_start) - (ends - lengths), lengths) + np.arange(b * t)
+        inputs, targets = np.empty(b * t, np.int32), np.empty(b * t, np.int32)
+        chars = np.empty((b * t, self.stream.chars.max_chars), np.int32)
+        which = np.repeat(np.asarray(piece_group), lengths) if len(groups) > 1 else None
+        for g, group in enumerate(groups):
+            at = slice(None) if which is None else which == g
+            p = positions[at]
+            inputs[at], targets[at], chars[at] = group.ids[p], group.ids[p + 1], group.char_rows[group.index[p]]
+        return inputs.reshape(b, t), targets.reshape(b, t), chars.reshape(b, t, -1)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "stream": self.stream.state_dict(),
-            "rows": [None if r is None else [r[0].ids[r[1] :].tolist(), r[0].tokens()[r[1] :]] for r in self.rows],
+            "rows": [None if r is None else r[0].unread(r[1], r[2]) for r in self.rows],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
-        chars = self.stream.chars
-        self.rows = [None if r is None else (_Sentence.of(r[0], r[1], chars), 0) for r in state["rows"]]
+        kept = [(r[0], r[1]) for r in state["rows"] if r is not None]
+        carried = _RowGroup.from_sentences(kept, self.stream.chars) if kept else None
+        numbers = iter(range(len(kept)))
+        self.rows = [None if r is None else (carried, next(numbers), 0) for r in state["rows"]]  # type: ignore[misc]
         self._sentences = iter(self.stream)
 
 
