@@ -12,6 +12,7 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
                inputs (which files) → readers (records, lines) → shards (one per file) → manifest → run
     vocab      vocab, char ids and corpus stats in DuckDB; token ids per split
     batches    bilm-tf's stateful training batches, streamed from Parquet, resumable, sharded by rank
+    prefetch   those batches made ahead of the step by a background thread, the position kept exact
     weights    bilm-tf / AllenNLP weights.hdf5 ⇄ state dict (given a config; never builds a model)
     inference  running a biLM over many sentences: batches, the token cache, the stateful carry, the one loop
     kernels/   the speed kernels of CPU inference and ``Kernels``, the choice of them (cache, packed,

@@ -213,11 +213,23 @@ class _RowPacker:
             inputs[at], targets[at], chars[at] = group.ids[p], group.ids[p + 1], group.char_rows[group.index[p]]
         return inputs.reshape(b, t), targets.reshape(b, t), chars.reshape(b, t, -1)
 
+    def snapshot(self) -> tuple[dict[str, int], list[tuple[_RowGroup, int, int] | None]]:
+        """The position, cheaply (row groups are never changed, so the rows' references are enough)."""
+        return self.stream.state_dict(), list(self.rows)
+
+    def restore(self, snapshot: tuple[dict[str, int], list[tuple[_RowGroup, int, int] | None]]) -> None:
+        self.stream.load_state_dict(snapshot[0])
+        self.rows = list(snapshot[1])
+        self._sentences = iter(self.stream)
+
+    @staticmethod
+    def state_of(snapshot: tuple[dict[str, int], list[tuple[_RowGroup, int, int] | None]]) -> dict[str, Any]:
+        """A snapshot as the JSON-able state a checkpoint keeps (each row's unfinished sentence spelled out)."""
+        stream, rows = snapshot
+        return {"stream": dict(stream), "rows": [None if r is None else r[0].unread(r[1], r[2]) for r in rows]}
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "stream": self.stream.state_dict(),
-            "rows": [None if r is None else r[0].unread(r[1], r[2]) for r in self.rows],
-        }
+        return self.state_of(self.snapshot())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
@@ -279,12 +291,12 @@ class LMBatcher:
             yield batch
 
     def next_batch(self) -> dict[str, np.ndarray] | None:
-        state = None if self.loop else self.state_dict()  # only a finite pass can run out mid-batch
+        before = None if self.loop else self.snapshot()  # only a finite pass can run out mid-batch
         fwd = self.forward.next_batch()
         bwd = self.backward.next_batch() if self.backward is not None else None
         if fwd is None or (self.backward is not None and bwd is None):
-            if state is not None:
-                self.load_state_dict(state)  # a batch that was not produced consumes nothing
+            if before is not None:
+                self.restore(before)  # a batch that was not produced consumes nothing
             return None
         batch = {"token_ids": fwd[0], "next_token_id": fwd[1], "tokens_characters": fwd[2]}
         if bwd is not None:
@@ -293,8 +305,24 @@ class LMBatcher:
             )
         return batch
 
+    def snapshot(self) -> Any:
+        """The batcher's position, in microseconds (``state_of`` makes it a checkpoint's JSON state)."""
+        return self.forward.snapshot(), self.backward.snapshot() if self.backward else None
+
+    def restore(self, snapshot: Any) -> None:
+        self.forward.restore(snapshot[0])
+        if self.backward is not None:
+            self.backward.restore(snapshot[1])
+
+    def state_of(self, snapshot: Any) -> dict[str, Any]:
+        forward, backward = snapshot
+        return {
+            "forward": self.forward.state_of(forward),
+            "backward": self.backward.state_of(backward) if self.backward else None,
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        return {"forward": self.forward.state_dict(), "backward": self.backward.state_dict() if self.backward else None}
+        return self.state_of(self.snapshot())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.forward.load_state_dict(state["forward"])

@@ -197,6 +197,9 @@ class TrainOptions(Options):
     )
     bf16: bool | None = Field(None, description="deprecated: use --precision (true = bf16, false = fp32)")
     compile: bool = Field(False, description="torch.compile the token encoder")
+    prefetch: int = Field(
+        4, ge=0, description="batches made ahead by a background thread per process (0: each made in its step)"
+    )
     log_every: int = Field(10, gt=0, description="steps between logged metrics")
     checkpoint_every: int = Field(1250, gt=0, description="steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")

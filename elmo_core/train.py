@@ -50,6 +50,7 @@ from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
 from elmo_core.precision import autocast, choose_precision, pick_device
+from elmo_core.prefetch import Prefetcher
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
@@ -408,7 +409,7 @@ class Run:
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     sampler: LogUniformSampler
-    batcher: LMBatcher
+    batches: Prefetcher  # the batch generator, run ahead of the step
     tracker: Tracker
     steps_per_epoch: int
     total_steps: int
@@ -472,13 +473,17 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         params=params,
         optimizer=_make_optimizer(config, params),
         sampler=LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
-        batcher=LMBatcher(
-            data / "token_ids" / "train",
-            config.batch_size,
-            config.unroll_steps,
-            seed=config.seed,
-            rank=ddp.rank,
-            world=ddp.world,
+        batches=Prefetcher(
+            LMBatcher(
+                data / "token_ids" / "train",
+                config.batch_size,
+                config.unroll_steps,
+                seed=config.seed,
+                rank=ddp.rank,
+                world=ddp.world,
+            ),
+            device,
+            depth=config.prefetch,
         ),
         tracker=NullTracker(),
         steps_per_epoch=steps_per_epoch,
@@ -548,7 +553,7 @@ class RankState:
         state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
         return cls(
             sampler=run.sampler.state_dict(),
-            batcher=json.dumps(run.batcher.state_dict()),
+            batcher=json.dumps(run.batches.state_dict()),
             torch_rng=torch.get_rng_state(),
             cuda_rng=torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
             lstm_state=tuple(s.detach().cpu() for s in state),  # type: ignore[arg-type]
@@ -556,7 +561,7 @@ class RankState:
 
     def apply(self, run: Run) -> None:
         run.sampler.load_state_dict(self.sampler)
-        run.batcher.load_state_dict(json.loads(self.batcher))
+        run.batches.load_state_dict(json.loads(self.batcher))
         torch.set_rng_state(self.torch_rng)
         if run.device.type == "cuda" and self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, run.device)
@@ -666,16 +671,16 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
 def step(run: Run) -> dict[str, float] | None:
     """Train on one batch: forward, backward, clip, update. Returns its losses, or None if a NaN batch was skipped."""
     config = run.config
-    batch = run.batcher.next_batch()
+    batch = run.batches.next()
     if batch is None:  # cannot happen with loop=True unless the split is empty
         raise InputError(f"{run.data}/token_ids/train: no training batches")
     sampled, num_tries = run.sampler.sample(config.n_negative_samples_batch)
     with autocast(run.device, run.precision):
         loss, loss_f, loss_b, new_state = run.model(
-            _tensor(batch["tokens_characters"], run.device),
-            _tensor(batch["tokens_characters_reverse"], run.device),
-            _tensor(batch["next_token_id"], run.device),
-            _tensor(batch["next_token_id_reverse"], run.device),
+            batch["tokens_characters"],
+            batch["tokens_characters_reverse"],
+            batch["next_token_id"],
+            batch["next_token_id_reverse"],
             run.state,
             sampled,
             num_tries,
@@ -852,6 +857,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
         raise
     finally:
         stop.restore()
+        run.batches.close()
         run.tracker.close(status)
         if run.ddp.world > 1 and dist.is_initialized():
             run.model = getattr(run.model, "module", run.model)  # DDP's reducer goes before the group it uses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,55 @@ def test_ranks_get_disjoint_sentences_covering_the_corpus(tmp_path, world):
         seen.append({int(group.ids[group.starts[n] + 1]) for group, n in stream})
     assert sum(len(s) for s in seen) == 100
     assert set().union(*seen) == set(range(3, 103))
+
+
+def _corpus(path: Path, n: int = 300) -> None:
+    rng = np.random.default_rng(1)
+    _write_token_ids(
+        path, [rng.integers(3, 50, size=rng.integers(1, 12)).tolist() for _ in range(n)], row_group_size=40
+    )
+
+
+def test_prefetched_batches_not_yet_taken_are_not_lost_from_the_position(tmp_path):
+    """The thread runs ahead (a queue of 3); a checkpoint's position is the one after the last batch taken, so a
+    run resumed from it gets exactly the batches the uninterrupted run gets next."""
+    import torch
+
+    from elmo_core.prefetch import KEYS, Prefetcher
+
+    _corpus(tmp_path)
+    plain = LMBatcher(tmp_path, batch_size=4, unroll_steps=5, seed=3)
+    expected = [plain.next_batch() for _ in range(30)]
+    ahead = Prefetcher(LMBatcher(tmp_path, batch_size=4, unroll_steps=5, seed=3), torch.device("cpu"), depth=3)
+    for i in range(12):
+        got = ahead.next()
+        assert all(torch.equal(got[k], torch.from_numpy(expected[i][k]).long()) for k in KEYS)
+    time.sleep(0.2)  # the thread has filled its queue: batches 13-15 (and one in hand) are made, not taken
+    state = json.loads(json.dumps(ahead.state_dict()))
+    resumed = Prefetcher(LMBatcher(tmp_path, batch_size=4, unroll_steps=5, seed=3), torch.device("cpu"), depth=2)
+    resumed.load_state_dict(state)
+    for i in range(12, 30):
+        for run in (ahead, resumed):
+            got = run.next()
+            assert all(torch.equal(got[k], torch.from_numpy(expected[i][k]).long()) for k in KEYS), (i, run)
+    ahead.close()
+    assert ahead.batcher.state_dict() == plain.state_dict()  # close() puts the generator back where it was taken
+    resumed.close()
+
+
+def test_prefetch_ends_a_finite_pass_and_hands_errors_to_the_trainer(tmp_path):
+    import torch
+
+    from elmo_core.prefetch import Prefetcher
+
+    _corpus(tmp_path, 20)
+    finite = Prefetcher(LMBatcher(tmp_path, 2, 3, shuffle=False, loop=False), torch.device("cpu"), depth=2)
+    taken = 0
+    while finite.next() is not None:
+        taken += 1
+    assert taken == sum(1 for _ in LMBatcher(tmp_path, 2, 3, shuffle=False, loop=False))
+    finite.close()
+    broken = LMBatcher(tmp_path, 2, 3)
+    broken.next_batch = lambda: (_ for _ in ()).throw(OSError("disk gone"))  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="disk gone"):
+        Prefetcher(broken, torch.device("cpu"), depth=2).next()

@@ -22,7 +22,8 @@ LAYERS = [
     "vocab_file",  # ids, the model config, WordNet's files, every stage's options
     "ingest",
     "vocab",
-    "batches",  # text → Parquet → DuckDB vocab → batches
+    "batches",
+    "prefetch",  # text → Parquet → DuckDB vocab → batches, made ahead of the step
     "weights",
     "inference",
     "kernels",  # the speed kernels of CPU inference, a package of their own (KERNELS below)
