@@ -255,7 +255,9 @@ def cmd_train(config: TrainConfig) -> None:
 
     result = launch(config)  # --nproc-per-node N: torch.distributed.run with N ranks, this command in each
     if os.environ.get("ELMO_RESULT_FILE"):  # a rank of a launch: rank 0 tells the launcher, which reports
-        write_result(result)
+        write_result(result)  # type: ignore[arg-type]
+        return
+    if result is None:  # another machine than node 0: its launcher has said so
         return
     print(
         f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} "

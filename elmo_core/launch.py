@@ -47,12 +47,15 @@ def world_of(config: TrainConfig) -> tuple[int, int]:
     return int(per_node), config.nnodes
 
 
-def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume) with the launch options of ``config``; see the module docstring."""
+def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> TrainResult | None:
+    """Train (or resume) with the launch options of ``config``; see the module docstring. Rank 0's result, or None
+    on a machine other than node 0 (whose launcher has it)."""
     per_node, nodes = world_of(config)
     if per_node * nodes == 1 or "LOCAL_RANK" in os.environ:  # one process, or already a rank of a launch
         return train(config)
     folder = Path(config.out) / LAUNCH_DIR
+    if nodes > 1:  # machines sharing a file system each keep their own launch folder
+        folder = folder / f"node{config.node_rank}"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RESULT_FILE).unlink(missing_ok=True)
     config_file = folder / "config.json"
@@ -77,15 +80,17 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
     _end_group(child)
     if code != 0:
         raise LaunchError(_failure(lines, folder / "logs", code))
+    if config.node_rank > 0:
+        on_line(f"node {config.node_rank} of {nodes}: its ranks finished; node 0 reports the result")
+        return None
     return TrainResult(**_read_result(folder / RESULT_FILE))
 
 
 def _command(config: TrainConfig, per_node: int, config_file: Path, logs: Path) -> list[str]:
-    rendezvous = (
-        ["--rdzv-backend", "c10d", "--rdzv-endpoint", config.rdzv_endpoint, "--node-rank", str(config.node_rank)]
-        if config.rdzv_endpoint
-        else ["--standalone"]
-    )
+    rendezvous = ["--standalone"]
+    if config.rdzv_endpoint:  # the static rendezvous: machine node_rank gets ranks node_rank * per_node onwards, so
+        host, _, port = config.rdzv_endpoint.rpartition(":")  # rank 0 (and its result) is on node 0
+        rendezvous = ["--master-addr", host, "--master-port", port, "--node-rank", str(config.node_rank)]
     return [
         sys.executable,
         "-m",

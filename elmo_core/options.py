@@ -214,7 +214,9 @@ class TrainOptions(Options):
     )
     nnodes: int = Field(1, gt=0, description="machines taking part (run the same command on each)")
     node_rank: int = Field(0, ge=0, description="this machine's number among them, 0 .. nnodes-1")
-    rdzv_endpoint: str | None = Field(None, description="host:port where the machines meet (c10d rendezvous)")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of node 0, where the machines meet (rank 0 runs on node 0)"
+    )
     wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")

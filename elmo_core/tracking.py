@@ -258,6 +258,27 @@ class MLflowTracker:
             )
 
 
+class NodeSystemMetrics:
+    """System metrics (CPU, memory, disk, network, GPU) of one more machine of a multi-node training, logged into
+    rank 0's MLflow run as ``system/NODE/…`` by MLflow's own monitor (rank 0's machine: ``system/node0/…``).
+    A store that cannot be reached costs these metrics only, with one warning."""
+
+    def __init__(self, run_id: str, tracking_uri: str, node_id: str) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.monitor = None
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(run_id, node_id=node_id, tracking_uri=tracking_uri)
+            self.monitor.start()
+        except Exception as exc:  # noqa: BLE001  (metrics must never stop a training)
+            log.warning("system metrics of %s not logged: %s", node_id, str(exc).splitlines()[0][:200])
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.finish()
+
+
 def is_model_uri(uri: str) -> bool:
     """True for MLflow URIs (``runs:/…``, ``models:/…``, ``file://…``); False for a local path."""
     return "://" in uri or ":/" in uri

@@ -53,7 +53,14 @@ from elmo_core.precision import autocast, choose_precision, pick_device
 from elmo_core.prefetch import Prefetcher
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
-from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
+from elmo_core.tracking import (
+    MLflowTracker,
+    NodeSystemMetrics,
+    NullTracker,
+    Tracker,
+    check_reachable,
+    resolve_model_dir,
+)
 from elmo_core.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 
 __all__ = [
@@ -281,6 +288,8 @@ class _Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    node: int = 0  # this machine's number (torchrun's GROUP_RANK)
+    nodes: int = 1
 
     @property
     def main(self) -> bool:
@@ -294,7 +303,14 @@ def _init_distributed(device: torch.device) -> _Dist:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    return _Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return _Dist(
+        dist.get_rank(),
+        dist.get_world_size(),
+        int(os.environ.get("LOCAL_RANK", "0")),
+        node=int(os.environ.get("GROUP_RANK", "0")),
+        nodes=max(1, world // per_node),
+    )
 
 
 def _gather(ddp: _Dist, item: Any) -> list[Any]:
@@ -418,6 +434,7 @@ class Run:
     loss: float = float("nan")
     skipped: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
 
     @property
     def tokens_per_step(self) -> int:
@@ -497,6 +514,10 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
         _start_tracking(run, tracker, n_data_tokens, sparse)
+    if ddp.nodes > 1 and config.tracking == "mlflow":
+        run_id, uri = _gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
+        if not ddp.main and ddp.local_rank == 0 and run_id and uri:  # one per other machine, into rank 0's run
+            run.node_metrics = NodeSystemMetrics(run_id, uri, f"node{ddp.node}")
     return run
 
 
@@ -505,6 +526,8 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
     params, and config.json in the run folder."""
     config, out, ddp = run.config, run.out, run.ddp
     out.mkdir(parents=True, exist_ok=True)
+    if ddp.nodes > 1:  # each machine's system metrics under system/nodeN/… of the one run
+        os.environ.setdefault("MLFLOW_SYSTEM_METRICS_NODE_ID", f"node{ddp.node}")
     run.tracker = tracker or (
         MLflowTracker(
             config.mlflow_experiment,
@@ -859,6 +882,8 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
         stop.restore()
         run.batches.close()
         run.tracker.close(status)
+        if run.node_metrics is not None:
+            run.node_metrics.close()
         if run.ddp.world > 1 and dist.is_initialized():
             run.model = getattr(run.model, "module", run.model)  # DDP's reducer goes before the group it uses
             dist.destroy_process_group()

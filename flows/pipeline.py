@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.corpus import write_default_corpus
-from elmo_core.errors import InputError
+from elmo_core.errors import ConfigError, InputError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.ingest import dataset_options, find_sources, ingest, option_changes
 from elmo_core.launch import launch
@@ -196,6 +196,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
     def work() -> dict[str, Any]:
         # resume=True: an interrupted run with these inputs continues; nproc_per_node > 1: torchrun, rank 0's lines
         result = launch(config, on_line=get_run_logger().info)
+        assert result is not None  # the pipeline runs on node 0 (checked in _stage_configs)
         return {
             "steps": result.steps,
             "final_loss": result.final_loss,
@@ -324,6 +325,11 @@ def _stage_configs(
     params: PipelineParams, workdir: Path, sources: list[str | Source], tracking_uri: str
 ) -> tuple[IngestConfig, VocabConfig, TrainConfig]:
     """Each stage's options laid over the folders the main job gives it."""
+    if params.train.node_rank > 0:
+        raise ConfigError(
+            f"train.node_rank {params.train.node_rank}: the pipeline runs on node 0; another machine joins its "
+            "training with `elmo train --config SAME --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`"
+        )
     vocab_dir = workdir / "vocab"
     ingest = IngestConfig(sources=sources, out=str(workdir / "ingest"), **params.ingest.model_dump())
     vocab = VocabConfig(

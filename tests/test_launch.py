@@ -139,3 +139,53 @@ def test_sigterm_stops_every_rank_after_a_checkpoint_and_the_rerun_resumes_exact
     assert rerun.returncode == 0, err[-2000:]
     assert f"resumed from {checkpoint}" in out + err
     assert _losses(run) == _losses(tmp_path / "whole")  # every step's loss, before and after the stop
+
+
+def test_two_machines_meet_at_a_rendezvous_and_log_one_run_with_each_machines_system_metrics(tmp_path, fixture_data):
+    """Two `elmo train` commands, as on two machines (node_rank 0 and 1, one rank each, a c10d rendezvous on this
+    host): they train together, node 1 says node 0 reports, and the one MLflow run holds both machines' metrics."""
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    config = _config(tmp_path, fixture_data, "two", max_steps=40, tracking="mlflow", tracking_uri=uri, register_as=None)
+    env = {**ENV, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "elmo_core.cli",
+                "train",
+                "--config",
+                str(config),
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:]
+    assert "node 1 of 2: its ranks finished; node 0 reports the result" in outputs[1]
+    assert "train: 40 steps" in outputs[0]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("elmo").experiment_id])
+    assert run.data.params["data.world_size"] == "2"
+    metrics = set(run.data.metrics)
+    assert any(k.startswith("system/node0/") for k in metrics) and any(k.startswith("system/node1/") for k in metrics)
