@@ -1,10 +1,16 @@
-"""The batch generator's tokens/s and peak memory at 10M and 100M corpus tokens, next to the biLM's own
-training-step speed (forward + backward of the small shape on the same batch) measured in the same run.
+"""Can the data path feed a fast GPU? The tokens/s one training process can be fed, without and with prefetch, and
+the trainer's step time with prefetch against a step on batches already in memory, measured in one run.
 
-    .venv/bin/python bench/batch_throughput.py [--sizes 10000000,100000000] [--batches 400]
+    .venv/bin/python bench/batch_throughput.py [--sizes 10000000,100000000] [--batches 400] [--step-rounds 5]
 
-Targets: the generator at >= 10x the biLM step's tokens/s (it must never starve training), and flat memory
-as the corpus grows (it streams one Parquet row group at a time).
+1. Feed rate, bilm-tf's batch (128 x 20) with the original shape's data path (50 char ids per token, both
+   directions), as int64 tensors ready for the model: the generator called in the step ("in the step"), and
+   ``prefetch.Prefetcher`` taking batches made by its thread ("prefetched"); on a generated Zipfian corpus (sentences
+   of 5-40 tokens, 500k types) at each ``--sizes`` with the process's peak memory, and on real text (Python's pydoc
+   topics, long-tailed sentence lengths). Target: >= 1,000,000 tokens/s per process.
+2. Step time: ``train.step`` of the small shape (forward, backward, Adagrad, batch 128 x 20, 8192 negatives) with
+   prefetch, against the same run reading batches made beforehand and held in memory; the two alternate in rounds.
+   Target: within 2%.
 """
 
 from __future__ import annotations
@@ -20,66 +26,134 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from corpus_gen import peak_rss_mb_of, write_token_id_corpus  # noqa: E402
+from corpus_gen import peak_rss_mb_of, write_token_id_corpus, zipf_words  # noqa: E402
 
 BATCH, UNROLL = 128, 20  # bilm-tf's per-GPU batch and window
 
-RUN_BATCHER = """
+FEED = """
 import json, sys, time
+import torch
 from elmo_core.batches import LMBatcher
+from elmo_core.prefetch import Prefetcher, to_tensors
+torch.set_num_threads(1)
+n = int(sys.argv[2])
 b = LMBatcher(sys.argv[1], batch_size=%d, unroll_steps=%d, seed=0)
-it = iter(b)
-next(it)
+to_tensors(b.next_batch(), torch.device("cpu"))
 start = time.perf_counter()
-for _ in range(int(sys.argv[2])):
-    next(it)
-print(json.dumps({"seconds": time.perf_counter() - start}))
+for _ in range(n):
+    to_tensors(b.next_batch(), torch.device("cpu"))
+in_step = time.perf_counter() - start
+p = Prefetcher(b, torch.device("cpu"), depth=8)
+p.next()
+start = time.perf_counter()
+for _ in range(n):
+    p.next()
+prefetched = time.perf_counter() - start
+p.close()
+print(json.dumps({"in_step": in_step, "prefetched": prefetched}))
 """ % (BATCH, UNROLL)
 
 
-def bilm_step_tokens_per_s(token_id_dir: Path, repeats: int = 3) -> float:
-    """Forward + backward of the small biLM's char CNN and LSTMs on a real batch from the generator."""
-    import torch
+def feed_rates(folder: Path, batches: int) -> tuple[float, float, float]:
+    """(tokens/s in the step, tokens/s prefetched, peak MB) of a fresh process reading ``folder``."""
+    _, peak, out = peak_rss_mb_of(FEED, str(folder), str(batches))
+    seconds = json.loads(out.strip().splitlines()[-1])
+    tokens = batches * BATCH * UNROLL
+    return tokens / seconds["in_step"], tokens / seconds["prefetched"], peak
 
-    from elmo_core import BiLM
-    from elmo_core.batches import LMBatcher
-    from elmo_core.chars import model_ids
-    from elmo_core.config import small
-    from elmo_core.model import init_bilm_tf
 
-    torch.manual_seed(0)
-    bilm = BiLM(small())
-    init_bilm_tf(bilm)
-    bilm.train()
-    batch = next(iter(LMBatcher(token_id_dir, batch_size=BATCH, unroll_steps=UNROLL, seed=0)))
-    chars = model_ids(torch.from_numpy(batch["tokens_characters"]).long())
-    chars_b = model_ids(torch.from_numpy(batch["tokens_characters_reverse"]).long())
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        outputs = bilm(chars, backward_inputs=chars_b)["activations"][1:]
-        sum(layer.sum() for layer in outputs).backward()
-        times.append(time.perf_counter() - start)
-    return BATCH * UNROLL / sorted(times[1:])[len(times[1:]) // 2]
+def pydoc_token_ids(root: Path) -> Path:
+    from elmo_core.corpus import write_default_corpus
+    from elmo_core.ingest import ingest
+    from elmo_core.options import IngestConfig, VocabConfig
+    from elmo_core.vocab import build_vocab
+
+    text, _ = write_default_corpus(root / "pydoc.txt")
+    ingest(
+        IngestConfig(
+            sources=[str(text)],
+            out=str(root / "ingest"),
+            tokenizer="unicode",
+            split_sentences=True,
+            heldout_fraction=0.05,
+        )
+    )
+    build_vocab(VocabConfig(corpus=str(root / "ingest"), db=str(root / "vocab" / "vocab.duckdb"), min_count=1))
+    return root / "vocab" / "token_ids" / "train"
+
+
+class InMemory:
+    """Batches made beforehand, handed out from memory: the step with no data path at all."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.i = batches, 0
+
+    def next(self):  # noqa: ANN201
+        self.i += 1
+        return self.batches[(self.i - 1) % len(self.batches)]
+
+    def close(self) -> None:
+        pass
+
+
+def step_times(root: Path, rounds: int, steps: int = 3) -> tuple[float, float]:
+    """Median seconds of ``train.step`` (small shape, 128 x 20): with prefetch, and on batches held in memory."""
+
+    from elmo_core.options import TrainConfig
+    from elmo_core.train import setup, step
+    from elmo_core.vocab_file import write_vocab_file
+
+    data = root / "data"
+    n_types = 100_000
+    write_token_id_corpus(data / "token_ids" / "train", 2_000_000, n_types=n_types - 3)
+    write_vocab_file(["<S>", "</S>", "<UNK>", *zipf_words(n_types - 3).tolist()], data / "vocab.txt")
+    runs = {}
+    for name in ("prefetch", "in memory"):
+        config = TrainConfig(
+            data=str(data), out=str(root / name), preset="small", batch_size=BATCH, unroll_steps=UNROLL,
+            tracking="none", device="cpu", precision="fp32", max_steps=10**9, prefetch=4,
+        )  # fmt: skip
+        runs[name] = setup(config)
+    made = [runs["in memory"].batches.next() for _ in range(rounds * steps + 1)]
+    runs["in memory"].batches.close()
+    runs["in memory"].batches = InMemory(made)  # type: ignore[assignment]
+    for run in runs.values():
+        step(run)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            for _ in range(steps):
+                start = time.perf_counter()
+                step(run)
+                times[name].append(time.perf_counter() - start)
+    for run in runs.values():
+        run.batches.close()
+    return tuple(sorted(t)[len(t) // 2] for t in times.values())  # type: ignore[return-value]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10000000,100000000")
     parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--step-rounds", type=int, default=5, help="alternating rounds of 3 steps each; 0: skip")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        write_token_id_corpus(Path(tmp), 200_000)
-        step = bilm_step_tokens_per_s(Path(tmp))
-    print(f"biLM training step (small shape, forward + backward, batch {BATCH}x{UNROLL}): {step:,.0f} tokens/s")
-    print(f"{'corpus tokens':>14}{'batcher tok/s':>15}{'x biLM step':>13}{'peak MB':>10}")
+    print(f"tokens/s one process is fed, batch {BATCH} x {UNROLL}, both directions, int64 tensors (1 torch thread)")
+    print(f"{'corpus':<24}{'in the step':>14}{'prefetched':>14}{'peak MB':>10}")
     for size in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             write_token_id_corpus(Path(tmp), size)
-            _, peak, out = peak_rss_mb_of(RUN_BATCHER, tmp, str(args.batches))
-            seconds = json.loads(out.strip().splitlines()[-1])["seconds"]
-            tps = args.batches * BATCH * UNROLL / seconds
-            print(f"{size:>14,}{tps:>15,.0f}{tps / step:>12.0f}x{peak:>10.0f}")
+            in_step, prefetched, peak = feed_rates(Path(tmp), args.batches)
+            print(f"{f'Zipfian, {size:,} tokens':<24}{in_step:>14,.0f}{prefetched:>14,.0f}{peak:>10.0f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        in_step, prefetched, peak = feed_rates(pydoc_token_ids(Path(tmp)), args.batches)
+        print(f"{'pydoc topics (real text)':<24}{in_step:>14,.0f}{prefetched:>14,.0f}{peak:>10.0f}")
+    if args.step_rounds:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefetch, memory = step_times(Path(tmp), args.step_rounds)
+        print(f"\ntrain.step, small shape, {BATCH} x {UNROLL}, fp32 (medians of {3 * args.step_rounds} steps each)")
+        print(
+            f"  with prefetch {prefetch:.3f} s, on batches in memory {memory:.3f} s: {100 * (prefetch / memory - 1):+.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -2,10 +2,15 @@
 per token and the fraction of a `torch.matmul` roofline measured in the same run; and (``--quality``) heldout
 perplexity after the same number of steps in both precisions on real text.
 
-    .venv/bin/python bench/train_throughput.py [--shapes small,original] [--steps 3] [--device cpu] [--quality]
+    .venv/bin/python bench/train_throughput.py [--shapes mini,2x512_128,small] [--batches 32,128] [--steps 3]
+                                               [--threads N] [--device cpu] [--quality]
 
-Throughput: batches from the real batch generator over a generated Zipfian corpus (100k-word vocabulary, 8192
-negatives as bilm-tf); the two precisions alternate in rounds so that both see the same machine. bf16 is autocast
+Shapes: the presets (``mini`` is the main job's model) and ``2x512_128`` (the published char CNN, one highway, a
+2-layer LSTM of 512 cells projected to 128). Each runs at every batch of ``--batches`` rows x 20 steps (bilm-tf
+trained 128 x 20 per GPU; the main job 32 x 20).
+Throughput: batches from the real batch generator over a generated Zipfian corpus (100k-word vocabulary; 8192
+negatives as bilm-tf, 512 for ``mini`` as the main job); the two precisions alternate in rounds so that both see
+the same machine. bf16 is autocast
 for the forward with float32 master weights, optimizer state, LSTM cell and softmax loss (``precision: bf16``).
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
 ``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
@@ -37,8 +42,15 @@ from elmo_core.softmax import LogUniformSampler  # noqa: E402
 from elmo_core.train import LMObjective, _clip_global_norm  # noqa: E402
 
 VOCAB = 100_000
-NEGATIVES = 8192
-BATCH = {"small": 128, "medium": 64, "original": 64}  # bilm-tf used 128 rows per GPU
+NEGATIVES = {"mini": 512}  # the main job's; bilm-tf's 8192 for the rest
+
+
+def bench_shape(name: str) -> ModelConfig:
+    """A preset, or ``2x512_128``: the published char CNN with one highway and a 2x512_128 LSTM."""
+    if name == "2x512_128":
+        base = preset("small")
+        return base.model_copy(update={"lstm": base.lstm.model_copy(update={"dim": 512, "projection_dim": 128})})
+    return preset(name)  # type: ignore[arg-type]
 
 
 def train_flops_per_token(config: ModelConfig, n_negatives: int) -> float:
@@ -61,7 +73,9 @@ def train_flops_per_token(config: ModelConfig, n_negatives: int) -> float:
 class Trainer:
     """One model in one precision, stepping through the batch generator as the trainer does."""
 
-    def __init__(self, config: ModelConfig, data: str, rows: int, device: torch.device, precision: str) -> None:
+    def __init__(
+        self, config: ModelConfig, data: str, rows: int, device: torch.device, precision: str, negatives: int
+    ) -> None:
         torch.manual_seed(0)
         self.bilm = BiLM(config)
         init_bilm_tf(self.bilm)
@@ -72,6 +86,7 @@ class Trainer:
         self.optimizer = torch.optim.Adagrad(self.params, lr=0.2, initial_accumulator_value=1.0)
         self.sampler = LogUniformSampler(VOCAB)
         self.batches = iter(LMBatcher(data, rows, 20, seed=0))
+        self.negatives = negatives
         self.state = None
 
     def step(self) -> float:
@@ -81,7 +96,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        sampled, tries = self.sampler.sample(NEGATIVES)
+        sampled, tries = self.sampler.sample(self.negatives)
         with autocast(self.device, self.precision):
             loss, _, _, state = self.objective(*tensors, self.state, sampled, tries, self.sampler)
         self.optimizer.zero_grad(set_to_none=True)
@@ -96,53 +111,47 @@ class Trainer:
 
 def throughput(args: argparse.Namespace, device: torch.device) -> None:
     roofline = matmul_roofline() if device.type == "cpu" else _cuda_roofline()
-    print(f"matmul roofline {roofline:,.0f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'})")
-    header = f"{'shape':<10}{'batch':>7}{'fp32 tok/s':>12}{'bf16 tok/s':>12}{'bf16/fp32':>11}{'GFLOP/token*':>13}{'fp32 roofline*':>16}"
+    print(
+        f"matmul roofline {roofline:,.0f} GFLOP/s ({'float32' if device.type == 'cpu' else 'bf16'}), {torch.get_num_threads()} threads"
+    )
+    header = (
+        f"{'shape':<11}{'batch':>9}{'negatives':>10}{'fp32 tok/s':>12}{'bf16 tok/s':>12}{'bf16/fp32':>11}"
+        f"{'GFLOP/token*':>13}{'fp32 roofline*':>16}"
+    )
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as tmp:
         write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
         for shape in args.shapes.split(","):
-            config = preset(shape).model_copy(update={"n_tokens_vocab": VOCAB})
-            rows = args.batch or BATCH.get(shape, 16)
-            trainers = {p: Trainer(config, tmp, rows, device, p) for p in ("fp32", "bf16")}
-            times: dict[str, list[float]] = {p: [] for p in trainers}
-            for trainer in trainers.values():
-                trainer.step()  # warm-up
-            for _ in range(args.steps):  # alternate, so that both precisions see the same machine
-                for name, trainer in trainers.items():
-                    times[name].append(trainer.step())
-            tps = {p: rows * 20 / sorted(t)[len(t) // 2] for p, t in times.items()}
-            flops = train_flops_per_token(config, NEGATIVES)
-            print(
-                f"{shape:<10}{rows:>7}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}{tps['bf16'] / tps['fp32']:>10.2f}x"
-                f"{flops / 1e9:>13.3f}{100 * tps['fp32'] * flops / 1e9 / roofline:>16.1f}%"
-            )
-            del trainers
+            config = bench_shape(shape).model_copy(update={"n_tokens_vocab": VOCAB})
+            negatives = NEGATIVES.get(shape, 8192)
+            for rows in (int(b) for b in args.batches.split(",")):
+                trainers = {p: Trainer(config, tmp, rows, device, p, negatives) for p in ("fp32", "bf16")}
+                times: dict[str, list[float]] = {p: [] for p in trainers}
+                for trainer in trainers.values():
+                    trainer.step()  # warm-up
+                for _ in range(args.steps):  # alternate, so that both precisions see the same machine
+                    for name, trainer in trainers.items():
+                        times[name].append(trainer.step())
+                tps = {p: rows * 20 / sorted(t)[len(t) // 2] for p, t in times.items()}
+                flops = train_flops_per_token(config, negatives)
+                print(
+                    f"{shape:<11}{f'{rows} x 20':>9}{negatives:>10}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}"
+                    f"{tps['bf16'] / tps['fp32']:>10.2f}x{flops / 1e9:>13.3f}"
+                    f"{100 * tps['fp32'] * flops / 1e9 / roofline:>15.1f}%"
+                )
+                del trainers
     print("* nominal: the char CNN counted over all 50 positions for every token; the model runs it once per distinct")
     print("  word of a batch over the positions its longest word needs, so the nominal rate overstates the real one")
 
 
 def quality(args: argparse.Namespace) -> None:
     """Heldout perplexity after the same steps, fp32 against bf16, same data and seed (the main job's recipe)."""
-    from elmo_core.corpus import write_default_corpus
-    from elmo_core.ingest import ingest
-    from elmo_core.options import CPU_TRAIN_OPTIONS, IngestConfig, TrainConfig, VocabConfig
+    from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
     from elmo_core.train import train
-    from elmo_core.vocab import build_vocab
 
     with tempfile.TemporaryDirectory() as tmp:
-        corpus, _ = write_default_corpus(Path(tmp) / "pydoc.txt")
-        ingest(
-            IngestConfig(
-                sources=[str(corpus)],
-                out=f"{tmp}/ingest",
-                tokenizer="unicode",
-                split_sentences=True,
-                heldout_fraction=0.05,
-            )
-        )
-        build_vocab(VocabConfig(corpus=f"{tmp}/ingest", db=f"{tmp}/vocab/vocab.duckdb", min_count=2))
+        data = _main_job_data(Path(tmp))
         print(
             f"\nheldout perplexity after {args.quality_steps} steps (pydoc topics, mini model, CPU_TRAIN_OPTIONS, seed 0)"
         )
@@ -151,7 +160,7 @@ def quality(args: argparse.Namespace) -> None:
             options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
             options.update(max_steps=args.quality_steps, tracking="none", precision=precision, device="cpu")
             started = time.perf_counter()
-            result = train(TrainConfig(data=f"{tmp}/vocab", out=f"{tmp}/{precision}", **options))
+            result = train(TrainConfig(data=str(data), out=f"{tmp}/{precision}", **options))
             results[precision] = result.perplexity["perplexity"]
             print(
                 f"  {precision}: perplexity {results[precision]:.2f} (forward {result.perplexity['perplexity_forward']:.2f}, "
@@ -162,19 +171,95 @@ def quality(args: argparse.Namespace) -> None:
         )
 
 
+# The main job's training options before precision auto meant bf16 on such CPUs (and before bench/cpu_recipe.py)
+MAIN_JOB_BEFORE = {
+    "preset": "mini",
+    "batch_size": 32,
+    "n_negative_samples_batch": 512,
+    "optimizer": "adagrad",
+    "learning_rate": 0.2,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "dropout": 0.1,
+    "precision": "fp32",
+}
+
+
+def main_job(args: argparse.Namespace) -> None:
+    """The main job's training as a user runs it (its defaults, torch's threads) against its defaults before, on
+    its own data (pydoc topics): tokens/s of ``train.step`` in alternating rounds, in one run."""
+    from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
+    from elmo_core.train import setup, step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _main_job_data(Path(tmp))
+        now = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
+        runs = {}
+        for name, options in (("before", {**now, **MAIN_JOB_BEFORE}), ("now", now)):
+            options = {**options, "tracking": "none", "device": "cpu", "max_steps": 10**9}
+            runs[name] = setup(TrainConfig(data=str(data), out=f"{tmp}/{name}", **options))
+            for _ in range(5):
+                step(runs[name])
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(args.main_job_rounds):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for _ in range(20):
+                    step(run)
+                rates[name].append(20 * run.tokens_per_step / (time.perf_counter() - start))
+        median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+        print(
+            f"\nthe main job's training (pydoc topics, {torch.get_num_threads()} threads, medians of {args.main_job_rounds} rounds of 20 steps)"
+        )
+        for name, run in runs.items():
+            c = run.config
+            print(
+                f"  {name:<7} {run.precision} batch {c.batch_size} x {c.unroll_steps}, {c.n_negative_samples_batch} negatives, "
+                f"{c.optimizer} {c.learning_rate:g}: {median[name]:,.0f} tok/s"
+            )
+        print(f"  now / before: {median['now'] / median['before']:.2f}x")
+
+
+def _main_job_data(root: Path) -> Path:
+    from elmo_core.corpus import write_default_corpus
+    from elmo_core.ingest import ingest
+    from elmo_core.options import IngestConfig, VocabConfig
+    from elmo_core.vocab import build_vocab
+
+    corpus, _ = write_default_corpus(root / "pydoc.txt")
+    ingest(
+        IngestConfig(
+            sources=[str(corpus)],
+            out=f"{root}/ingest",
+            tokenizer="unicode",
+            split_sentences=True,
+            heldout_fraction=0.05,
+        )
+    )
+    build_vocab(VocabConfig(corpus=f"{root}/ingest", db=f"{root}/vocab/vocab.duckdb", min_count=2))
+    return root / "vocab"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="small,original")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per precision (after one warm-up step)")
+    parser.add_argument("--shapes", default="mini,2x512_128,small", help="presets, or 2x512_128")
+    parser.add_argument("--batches", default="32,128", help="rows per step (x 20 steps)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per precision (after one warm-up step)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: per shape)")
     parser.add_argument("--quality", action="store_true", help="also train the main job's model in both precisions")
+    parser.add_argument("--main-job", action="store_true", help="also the main job's training: now against before")
+    parser.add_argument("--main-job-rounds", type=int, default=7)
     parser.add_argument("--quality-steps", type=int, default=600)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(describe_machine(device))
     if args.shapes:
         throughput(args, device)
+    if args.main_job:
+        main_job(args)
     if args.quality:
         quality(args)
 

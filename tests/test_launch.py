@@ -141,8 +141,8 @@ def test_sigterm_stops_every_rank_after_a_checkpoint_and_the_rerun_resumes_exact
     assert _losses(run) == _losses(tmp_path / "whole")  # every step's loss, before and after the stop
 
 
-def test_two_machines_meet_at_a_rendezvous_and_log_one_run_with_each_machines_system_metrics(tmp_path, fixture_data):
-    """Two `elmo train` commands, as on two machines (node_rank 0 and 1, one rank each, a c10d rendezvous on this
+def test_two_machines_meet_and_log_one_run_with_each_machines_system_metrics(tmp_path, fixture_data):  # noqa: F811
+    """Two `elmo train` commands, as on two machines (node_rank 0 and 1, one rank each, meeting at node 0 on this
     host): they train together, node 1 says node 0 reports, and the one MLflow run holds both machines' metrics."""
     import socket
 
