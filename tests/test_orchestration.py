@@ -1,5 +1,6 @@
 """End to end with real servers: a Prefect server, a process worker, `prefect deploy --all`,
-`prefect deployment run elmo/train` and `embed/embed`, checked through MLflow's client and DuckDB.
+`prefect deployment run elmo/train` and `embed/embed`, checked through MLflow's client and DuckDB; the train
+deployment on two processes (completed, a rank killed, cancelled and resumed).
 Plus the embed flow on a 2-worker Dask LocalCluster. Everything runs on 127.0.0.1 and is torn down."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -373,3 +375,136 @@ def test_a_failing_flow_reports_its_reason_once_without_tracebacks_or_retries(pr
     ]
     runs_reporting = [m for m in messages if reason in m]
     assert 1 <= len(runs_reporting) <= 2  # the failed task's state line and the flow's, each once
+
+
+def _flow_run_state(env: dict, flow_run_id: str) -> str:
+    try:
+        (run,) = _api(env, "/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    except urllib.error.HTTPError as exc:
+        return f"unknown ({exc})"  # asked again by _wait
+    return run["state"]["type"]
+
+
+def _wait(condition, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _ranks_of(workdir: Path) -> list:
+    """The processes of a launched training under ``workdir`` (torchrun and its ranks name its config file)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if str(workdir) in " ".join(process.info["cmdline"] or []) and "elmo_core.cli" in " ".join(
+                process.info["cmdline"]
+            ):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _gone(processes: list) -> bool:
+    import psutil
+
+    def alive(p) -> bool:  # noqa: ANN001
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    return not any(alive(p) for p in processes)
+
+
+def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_and_resumes(prefect_server, tmp_path):
+    """`prefect deployment run elmo/train` with nproc_per_node 2 through a real worker: it completes with one MLflow
+    run of world size 2 and identical replicas; a rank killed with -9 fails the flow run naming the rank; a cancel
+    stops every rank; each leaves no process, and the rerun of the cancelled one resumes from its checkpoint."""
+    env = prefect_server
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((CORPUS + "\n") * 3)
+    _prefect(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
+    _prefect(env, "--no-prompt", "deploy", "--all")
+    train = {"preset": "tiny", "nproc_per_node": 2, "batch_size": 2, "unroll_steps": 10, "n_negative_samples_batch": 8,
+             "register_as": None, "checkpoint_every": 20, "log_every": 10}  # fmt: skip
+
+    def params(name: str, **options) -> str:  # noqa: ANN003
+        return json.dumps(
+            {
+                "params": {
+                    "sources": [str(corpus)],
+                    "workdir": str(tmp_path / name),
+                    "probes": None,
+                    "ingest": {"tokenizer": "whitespace", "split_sentences": False, "heldout_fraction": 0.2},
+                    "vocab": {"min_count": 1},
+                    "train": {**train, **options},
+                }
+            }  # fmt: skip
+        )
+
+    def start(name: str, **options) -> str:  # noqa: ANN003
+        out = _prefect(env, "deployment", "run", "elmo/train", "--params", params(name, **options)).stdout
+        return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+    worker_log = open(tmp_path / "worker.log", "w")
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "local"],
+        cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        done = _prefect(env, "deployment", "run", "elmo/train", "--params", params("two", max_steps=30),
+                        "--watch", "--watch-timeout", "900", timeout=1000)  # fmt: skip
+        assert "Completed" in done.stdout, done.stdout[-3000:]
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        (mlrun,) = [
+            r
+            for r in client.search_runs([client.get_experiment_by_name("elmo").experiment_id])
+            if r.data.params.get("config.out") == str(tmp_path / "two" / "train")
+        ]
+        assert mlrun.data.params["data.world_size"] == "2" and mlrun.info.status == "FINISHED"
+        digests = json.loads((tmp_path / "two" / "train" / "ddp_weights.json").read_text())
+        assert len(digests) == 2 and len(set(digests)) == 1
+
+        # a rank killed with -9: the flow run fails, naming the rank; nothing is left running
+        killed = start("killed", max_steps=100_000)
+        _wait(lambda: list((tmp_path / "killed" / "train" / "checkpoints").glob("step-*.pt")), 600, "a checkpoint")
+        family = _ranks_of(tmp_path / "killed")
+        (rank1,) = [p for p in family if p.environ().get("RANK") == "1"]
+        rank1.kill()
+        _wait(lambda: _flow_run_state(env, killed) in ("FAILED", "CRASHED"), 120, "the failed state")
+        logs = _api(
+            env, "/logs/filter", {"logs": {"flow_run_id": {"any_": [killed]}}, "limit": 50, "sort": "TIMESTAMP_DESC"}
+        )
+        failed = "rank 1 of the launched training failed (killed by SIGKILL)"
+        assert any(failed in log["message"] for log in logs), [log["message"] for log in logs][:10]
+        _wait(lambda: _gone(family), 60, "no process left after the kill")
+
+        # cancelled: every rank stops within Prefect's grace period; the rerun resumes from the checkpoint
+        cancelled = start("cancel", max_steps=240)
+        _wait(lambda: list((tmp_path / "cancel" / "train" / "checkpoints").glob("step-*.pt")), 600, "a checkpoint")
+        family = _ranks_of(tmp_path / "cancel")
+        assert len([p for p in family if p.environ().get("RANK") in ("0", "1")]) == 2
+        _prefect(env, "flow-run", "cancel", cancelled)
+        _wait(lambda: _flow_run_state(env, cancelled) == "CANCELLED", 120, "the cancelled state")
+        _wait(lambda: _gone(family), 60, "no process left after the cancel")
+        stopped_at = max(
+            int(p.stem.split("-")[1]) for p in (tmp_path / "cancel" / "train" / "checkpoints").glob("*.pt")
+        )
+        assert stopped_at < 240
+        again = _prefect(env, "deployment", "run", "elmo/train", "--params", params("cancel", max_steps=240),
+                         "--watch", "--watch-timeout", "900", timeout=1000)  # fmt: skip
+        assert "Completed" in again.stdout, again.stdout[-3000:]
+        rerun = re.search(r"UUID: ([0-9a-f-]{36})", again.stdout).group(1)
+        logs = _api(env, "/logs/filter", {"logs": {"flow_run_id": {"any_": [rerun]}}, "limit": 200})
+        assert any("resumed from" in log["message"] for log in logs)
+        steps = [json.loads(line)["step"] for line in (tmp_path / "cancel" / "train" / "metrics.jsonl").open()]
+        assert max(steps) == 240
+    finally:
+        _kill_group(worker)
+        worker_log.close()
