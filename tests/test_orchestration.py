@@ -207,6 +207,7 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
     _prefect(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     deployed = _prefect(env, "--no-prompt", "deploy", "--all")
     assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout and "probe/probe" in deployed.stdout
+    assert "elmo/train-gpu" in deployed.stdout
     worker_log = open(tmp_path / "worker.log", "w")
     worker = subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", "local"],
