@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from corpus_gen import peak_rss_mb_of, write_token_id_corpus, zipf_words  # noqa: E402
+from corpus_gen import main_job_data, peak_rss_mb_of, write_token_id_corpus, zipf_words  # noqa: E402
 
 BATCH, UNROLL = 128, 20  # bilm-tf's per-GPU batch and window
 
@@ -60,26 +60,6 @@ def feed_rates(folder: Path, batches: int) -> tuple[float, float, float]:
     seconds = json.loads(out.strip().splitlines()[-1])
     tokens = batches * BATCH * UNROLL
     return tokens / seconds["in_step"], tokens / seconds["prefetched"], peak
-
-
-def pydoc_token_ids(root: Path) -> Path:
-    from elmo_core.corpus import write_default_corpus
-    from elmo_core.ingest import ingest
-    from elmo_core.options import IngestConfig, VocabConfig
-    from elmo_core.vocab import build_vocab
-
-    text, _ = write_default_corpus(root / "pydoc.txt")
-    ingest(
-        IngestConfig(
-            sources=[str(text)],
-            out=str(root / "ingest"),
-            tokenizer="unicode",
-            split_sentences=True,
-            heldout_fraction=0.05,
-        )
-    )
-    build_vocab(VocabConfig(corpus=str(root / "ingest"), db=str(root / "vocab" / "vocab.duckdb"), min_count=1))
-    return root / "vocab" / "token_ids" / "train"
 
 
 class InMemory:
@@ -145,7 +125,7 @@ def main() -> None:
             in_step, prefetched, peak = feed_rates(Path(tmp), args.batches)
             print(f"{f'Zipfian, {size:,} tokens':<24}{in_step:>14,.0f}{prefetched:>14,.0f}{peak:>10.0f}")
     with tempfile.TemporaryDirectory() as tmp:
-        in_step, prefetched, peak = feed_rates(pydoc_token_ids(Path(tmp)), args.batches)
+        in_step, prefetched, peak = feed_rates(main_job_data(Path(tmp)) / "token_ids" / "train", args.batches)
         print(f"{'pydoc topics (real text)':<24}{in_step:>14,.0f}{prefetched:>14,.0f}{peak:>10.0f}")
     if args.step_rounds:
         with tempfile.TemporaryDirectory() as tmp:

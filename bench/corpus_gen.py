@@ -132,3 +132,31 @@ def write_token_id_corpus(
         pq.write_table(table, out / f"part-{shard:05d}.parquet", compression="zstd", row_group_size=50_000)
         written += int(lengths.sum())
     return written
+
+
+def ingest_like_the_main_job(text: Path, root: Path, split_sentences: bool = True) -> Path:
+    """Ingest and count a text file as the main job does (unicode tokens, 5% heldout by hash, min count 2) under
+    ``root``; returns the vocab folder (vocab.txt, token_ids/)."""
+    from elmo_core.ingest import ingest
+    from elmo_core.options import IngestConfig, VocabConfig
+    from elmo_core.vocab import build_vocab
+
+    ingest(
+        IngestConfig(
+            sources=[str(text)],
+            out=str(root / "ingest"),
+            tokenizer="unicode",
+            split_sentences=split_sentences,
+            heldout_fraction=0.05,
+        )
+    )
+    build_vocab(VocabConfig(corpus=str(root / "ingest"), db=str(root / "vocab" / "vocab.duckdb"), min_count=2))
+    return root / "vocab"
+
+
+def main_job_data(root: Path) -> Path:
+    """The main job's corpus (Python's pydoc topics), ingested and counted as the main job does."""
+    from elmo_core.corpus import write_default_corpus
+
+    text, _ = write_default_corpus(root / "pydoc.txt")
+    return ingest_like_the_main_job(text, root)

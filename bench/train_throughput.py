@@ -30,7 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from corpus_gen import write_token_id_corpus  # noqa: E402
+from corpus_gen import main_job_data, write_token_id_corpus  # noqa: E402
+from cpu_recipe import TODAY  # noqa: E402  (the main job's recipe before bench/cpu_recipe.py)
 from embed_throughput import describe_machine, matmul_roofline  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
@@ -151,7 +152,7 @@ def quality(args: argparse.Namespace) -> None:
     from elmo_core.train import train
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = _main_job_data(Path(tmp))
+        data = main_job_data(Path(tmp))
         print(
             f"\nheldout perplexity after {args.quality_steps} steps (pydoc topics, mini model, CPU_TRAIN_OPTIONS, seed 0)"
         )
@@ -171,20 +172,6 @@ def quality(args: argparse.Namespace) -> None:
         )
 
 
-# The main job's training options before precision auto meant bf16 on such CPUs (and before bench/cpu_recipe.py)
-MAIN_JOB_BEFORE = {
-    "preset": "mini",
-    "batch_size": 32,
-    "n_negative_samples_batch": 512,
-    "optimizer": "adagrad",
-    "learning_rate": 0.2,
-    "lr_schedule": "constant",
-    "warmup_steps": 0,
-    "dropout": 0.1,
-    "precision": "fp32",
-}
-
-
 def main_job(args: argparse.Namespace) -> None:
     """The main job's training as a user runs it (its defaults, torch's threads) against its defaults before, on
     its own data (pydoc topics): tokens/s of ``train.step`` in alternating rounds, in one run."""
@@ -192,10 +179,10 @@ def main_job(args: argparse.Namespace) -> None:
     from elmo_core.train import setup, step
 
     with tempfile.TemporaryDirectory() as tmp:
-        data = _main_job_data(Path(tmp))
+        data = main_job_data(Path(tmp))
         now = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
         runs = {}
-        for name, options in (("before", {**now, **MAIN_JOB_BEFORE}), ("now", now)):
+        for name, options in (("before", {**now, **TODAY, "precision": "fp32"}), ("now", now)):
             options = {**options, "tracking": "none", "device": "cpu", "max_steps": 10**9}
             runs[name] = setup(TrainConfig(data=str(data), out=f"{tmp}/{name}", **options))
             for _ in range(5):
@@ -218,26 +205,6 @@ def main_job(args: argparse.Namespace) -> None:
                 f"{c.optimizer} {c.learning_rate:g}: {median[name]:,.0f} tok/s"
             )
         print(f"  now / before: {median['now'] / median['before']:.2f}x")
-
-
-def _main_job_data(root: Path) -> Path:
-    from elmo_core.corpus import write_default_corpus
-    from elmo_core.ingest import ingest
-    from elmo_core.options import IngestConfig, VocabConfig
-    from elmo_core.vocab import build_vocab
-
-    corpus, _ = write_default_corpus(root / "pydoc.txt")
-    ingest(
-        IngestConfig(
-            sources=[str(corpus)],
-            out=f"{root}/ingest",
-            tokenizer="unicode",
-            split_sentences=True,
-            heldout_fraction=0.05,
-        )
-    )
-    build_vocab(VocabConfig(corpus=f"{root}/ingest", db=f"{root}/vocab/vocab.duckdb", min_count=2))
-    return root / "vocab"
 
 
 def main() -> None:

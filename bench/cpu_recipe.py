@@ -1,0 +1,270 @@
+"""Which training recipe reaches the lowest heldout perplexity within a fixed CPU budget (one thread)?
+
+    .venv/bin/python bench/cpu_recipe.py [--corpora pydoc,wordnet] [--recipes today-fp32,today-bf16,adamw]
+                                         [--budget 30] [--jobs 2] [--out data/bench/cpu_recipe] [--plot]
+
+Each (corpus, recipe) trains in its own process with one thread (``torch.set_num_threads(1)``, OMP/MKL at 1) through
+``elmo_core.train``'s own ``setup``/``step``; the clock is the process's CPU time, with heldout evaluations (full
+softmax over the whole heldout split, at 1, 2.5, 5, 7.5, 10, 15, 20, 25 and 30 CPU-minutes) paused out of it. Each
+point is logged to the run's MLflow run (experiment ``elmo-cpu-recipe``, store ``OUT/mlflow.db``) as
+``heldout_perplexity`` with ``cpu_minutes``, and to ``OUT/runs/CORPUS-RECIPE/points.json``. A checkpoint is written at
+every point: a rerun with a larger ``--budget`` resumes where the last one stopped (exactly: the schedules are
+functions of the step), so a short screening run of a candidate is the start of its long run.
+
+Corpora: ``pydoc``, Python's help topics (the main job's default corpus, 53k tokens), and ``wordnet``, WordNet 3.0's
+definitions without their examples (1.2M tokens; ``sudo apt-get install wordnet-base``), ingested and counted as the
+main job does (unicode tokens, 5% heldout by hash, min count 2). Recipes are ``RECIPES`` below; ``today-fp32`` is
+the main job's recipe before this bench (bilm-tf's, shrunk: Adagrad 0.2, constant rate, batch 32, 512 negatives,
+dropout 0.1) in fp32. ``--plot`` draws perplexity against CPU-minutes per corpus into ``OUT/curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+EXPERIMENT = "elmo-cpu-recipe"
+POINTS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0, 45.0, 60.0)  # CPU-minutes where heldout is evaluated
+
+# The main job's recipe before this bench, spelled out (CPU_TRAIN_OPTIONS may have moved on since).
+TODAY: dict[str, Any] = {
+    "preset": "mini",
+    "batch_size": 32,
+    "unroll_steps": 20,
+    "n_negative_samples_batch": 512,
+    "optimizer": "adagrad",
+    "learning_rate": 0.2,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "dropout": 0.1,
+}
+RECIPES: dict[str, dict[str, Any]] = {
+    "today-fp32": {**TODAY, "precision": "fp32"},
+    "today-bf16": {**TODAY, "precision": "bf16"},
+    "b64": {**TODAY, "precision": "bf16", "batch_size": 64},
+    "neg2k": {**TODAY, "precision": "bf16", "n_negative_samples_batch": 2048},
+    "drop3": {**TODAY, "precision": "bf16", "dropout": 0.3},
+    "drop5": {**TODAY, "precision": "bf16", "dropout": 0.5},
+    "neg2k-drop3": {**TODAY, "precision": "bf16", "n_negative_samples_batch": 2048, "dropout": 0.3},
+    "adamw": {
+        **TODAY,
+        "precision": "bf16",
+        "optimizer": "adamw",
+        "learning_rate": 5e-4,
+        "lr_schedule": "inverse_sqrt",
+        "warmup_steps": 300,
+    },
+}
+
+
+# ----- data --------------------------------------------------------------------------------------------
+
+
+def prepare(out: Path, corpus: str) -> Path:
+    """Ingest and count ``corpus`` as the main job does; returns its vocab folder (made once)."""
+    from corpus_gen import ingest_like_the_main_job
+
+    from elmo_core.corpus import write_default_corpus
+    from elmo_core.wordnet import write_definitions
+
+    root = out / "data" / corpus
+    if (root / "vocab" / "vocab.txt").exists():
+        return root / "vocab"
+    text = root / f"{corpus}.txt"
+    if corpus == "pydoc":
+        write_default_corpus(text)
+    elif corpus == "wordnet":
+        write_definitions("/usr/share/wordnet", text)
+    else:
+        raise SystemExit(f"unknown corpus {corpus!r}: pydoc or wordnet")
+    return ingest_like_the_main_job(text, root, split_sentences=corpus == "pydoc")
+
+
+# ----- one run (a child process) -----------------------------------------------------------------------
+
+
+def _tracking_uri(out: Path) -> str:
+    return f"sqlite:///{out.resolve()}/mlflow.db"
+
+
+def _create_experiment(out: Path) -> None:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    mlflow.set_tracking_uri(_tracking_uri(out))
+    if mlflow.get_experiment_by_name(EXPERIMENT) is None:
+        mlflow.create_experiment(EXPERIMENT, artifact_location=(out / "mlartifacts").resolve().as_uri())
+
+
+def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
+    """Train ``recipe`` on ``corpus`` up to ``budget`` CPU-minutes, one thread, resuming an earlier shorter run."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    from elmo_core.options import TrainConfig
+    from elmo_core.train import evaluate_heldout, log_metrics, save, setup, step
+
+    folder = out / "runs" / f"{corpus}-{recipe}"
+    progress_file = folder / "points.json"
+    config = TrainConfig(
+        data=str(out / "data" / corpus / "vocab"),
+        out=str(folder),
+        **RECIPES[recipe],
+        max_steps=10**9,  # the budget ends the run; the schedules do not depend on the total
+        device="cpu",
+        resume=True,
+        tracking="mlflow",
+        tracking_uri=_tracking_uri(out),
+        mlflow_experiment=EXPERIMENT,
+        register_as=None,
+        log_every=200,
+        keep_checkpoints=1,
+    )
+    run = setup(config)
+    done = json.loads(progress_file.read_text()) if progress_file.exists() else {"cpu_s": 0.0, "points": []}
+    if run.step != (done["points"][-1]["step"] if done["points"] else 0):
+        raise SystemExit(f"{folder}: checkpoint at step {run.step} does not match points.json; remove the folder")
+    import mlflow
+
+    mlflow.set_tags({"recipe": recipe, "corpus": corpus, "threads": "1"})  # the run the tracker started
+    marks = [m for m in POINTS if m <= budget and m * 60 > done["cpu_s"] + 1e-6]
+    cpu_s, started = done["cpu_s"], time.process_time()
+    window_tokens, window_start = 0, time.perf_counter()
+    for mark in marks:
+        while cpu_s + (time.process_time() - started) < mark * 60:
+            record = step(run)
+            window_tokens += run.tokens_per_step
+            if record is not None and run.step % config.log_every == 0:
+                log_metrics(run, record, window_tokens / (time.perf_counter() - window_start))
+                window_tokens, window_start = 0, time.perf_counter()
+        cpu_s += time.process_time() - started
+        result = evaluate_heldout(run)  # off the clock
+        run.tracker.log_metrics({"cpu_minutes": cpu_s / 60, "heldout_perplexity": result["perplexity"]}, run.step)
+        done["cpu_s"] = cpu_s
+        done["points"].append({"cpu_minutes": mark, "step": run.step, "perplexity": result["perplexity"]})
+        save(run)
+        progress_file.write_text(json.dumps(done, indent=1) + "\n")
+        print(f"{corpus:<8} {recipe:<16} {mark:>5.1f} CPU-min  step {run.step:>6}  heldout {result['perplexity']:8.2f}")
+        sys.stdout.flush()
+        started, window_start = time.process_time(), time.perf_counter()
+    run.tracker.close("FINISHED")
+
+
+# ----- the table ---------------------------------------------------------------------------------------
+
+
+def table(out: Path, corpora: list[str], recipes: list[str]) -> None:
+    shown = [m for m in (5.0, 15.0, 30.0, 60.0)]
+    print("\nheldout perplexity after CPU-minutes (one thread; steps in brackets)")
+    header = f"{'corpus':<9}{'recipe':<18}" + "".join(f"{m:>18.0f}" for m in shown)
+    print(header)
+    print("-" * len(header))
+    for corpus in corpora:
+        base = _points(out, corpus, "today-fp32")
+        for recipe in recipes:
+            points = _points(out, corpus, recipe)
+            cells = []
+            for m in shown:
+                p = points.get(m)
+                if p is None:
+                    cells.append(f"{'':>18}")
+                    continue
+                vs = (
+                    f" {100 * (p['perplexity'] / base[m]['perplexity'] - 1):+.1f}%"
+                    if m in base and recipe != "today-fp32"
+                    else ""
+                )
+                cells.append(f"{p['perplexity']:>9.2f}{vs:>9}")
+            print(f"{corpus:<9}{recipe:<18}" + "".join(cells))
+    print("(% against today-fp32 at the same budget)")
+
+
+def _points(out: Path, corpus: str, recipe: str) -> dict[float, dict[str, float]]:
+    path = out / "runs" / f"{corpus}-{recipe}" / "points.json"
+    if not path.exists():
+        return {}
+    return {p["cpu_minutes"]: p for p in json.loads(path.read_text())["points"]}
+
+
+def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.2), squeeze=False)
+    for ax, corpus in zip(axes[0], corpora):
+        for recipe in recipes:
+            points = sorted(_points(out, corpus, recipe).values(), key=lambda p: p["cpu_minutes"])
+            if points:
+                ax.plot([p["cpu_minutes"] for p in points], [p["perplexity"] for p in points], marker="o", label=recipe)
+        ax.set_title(f"{corpus}: heldout perplexity, mini model, 1 thread")
+        ax.set_xlabel("CPU-minutes")
+        ax.set_ylabel("heldout perplexity")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out / "curves.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpora", default="pydoc,wordnet")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--budget", type=float, default=30.0, help="CPU-minutes per run (resumes shorter runs)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (one thread each)")
+    parser.add_argument("--out", default=str(ROOT / "data" / "bench" / "cpu_recipe"))
+    parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--table-only", action="store_true", help="print what earlier runs measured")
+    parser.add_argument("--worker", nargs=2, metavar=("CORPUS", "RECIPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out)
+    corpora, recipes = args.corpora.split(","), args.recipes.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}; known: {', '.join(RECIPES)}")
+    if args.worker:
+        worker(out, *args.worker, args.budget)
+        return
+    if not args.table_only:
+        for corpus in corpora:
+            prepare(out, corpus)
+        _create_experiment(out)  # once, here: two runs creating the store together race on its schema
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        }
+
+        def one(job: tuple[str, str]) -> int:
+            command = [sys.executable, __file__, "--out", str(out), "--budget", str(args.budget), "--worker", *job]
+            return subprocess.run(command, env=env).returncode
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            codes = list(pool.map(one, [(c, r) for r in recipes for c in corpora]))
+        if any(codes):
+            print(f"some runs failed (exit codes {codes})", file=sys.stderr)
+    table(out, corpora, recipes)
+    if args.plot:
+        print(f"curves: {plot(out, corpora, recipes)}")
+
+
+if __name__ == "__main__":
+    main()
