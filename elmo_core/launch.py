@@ -26,6 +26,7 @@ import torch
 
 from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
+from elmo_core.progress import Progress
 from elmo_core.train import TrainResult, train
 
 log = logging.getLogger(__name__)
@@ -71,12 +72,16 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
         env={**os.environ, "ELMO_RESULT_FILE": str(folder / RESULT_FILE)},
     )
     lines: list[str] = []
+    relay = ProgressRelay()
     with _stopping(child):
         for line in child.stdout:  # type: ignore[union-attr]
             lines.append(line.rstrip("\n"))
             del lines[:-200]
-            on_line(_strip_rank_prefix(line.rstrip("\n")))
+            text = _strip_rank_prefix(line.rstrip("\n"))
+            if not relay.feed(text):
+                on_line(text)
         code = child.wait()
+    relay.close()
     _end_group(child)
     if code != 0:
         raise LaunchError(_failure(lines, folder / "logs", code))
@@ -84,6 +89,40 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
         on_line(f"node {config.node_rank} of {nodes}: its ranks finished; node 0 reports the result")
         return None
     return TrainResult(**_read_result(folder / RESULT_FILE))
+
+
+class ProgressRelay:
+    """Rank 0's progress lines (``train: 120/600 steps (20%), ETA …``) replayed as this process's own progress, so
+    the stage's progress bar, or its progress artifact in the Prefect UI, moves as the ranks train."""
+
+    LINE = re.compile(
+        r"^\s*(?:\S+ \S+ \S+ INFO )?(\w+): ([\d,.]+)/([\d,.]+) (\w+) \(\d+%\)(?:, ETA [\d:?]+)?(?:, (.*))?$"
+    )
+
+    def __init__(self) -> None:
+        self.running: dict[str, Progress] = {}
+
+    def feed(self, line: str) -> bool:
+        """Replay ``line`` if it is a progress line (True: the replay reports it, do not log it twice)."""
+        match = self.LINE.match(line)
+        if match is None:
+            return False
+        name, done, total, unit, info = match.groups()
+        done_n, total_n = float(done.replace(",", "")), float(total.replace(",", ""))
+        progress = self.running.get(name)
+        if progress is None or progress.total != total_n:
+            if progress is not None:
+                progress.close()
+            progress = self.running[name] = Progress(name, total_n, unit, done=0.0)
+        progress.update(done_n, info)
+        if done_n >= total_n:
+            self.running.pop(name).close()
+        return True
+
+    def close(self) -> None:
+        for progress in self.running.values():
+            progress.close()
+        self.running.clear()
 
 
 def _command(config: TrainConfig, per_node: int, config_file: Path, logs: Path) -> list[str]:

@@ -70,3 +70,37 @@ def test_without_a_terminal_progress_is_logged_with_an_eta(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records]
     assert 9 <= len(lines) <= 11  # about every 10%
     assert lines[0].startswith("train: 10/100 steps (10%), ETA ") and lines[0].endswith("loss 4.80")
+
+
+def test_a_launched_ranks_progress_lines_move_this_process_progress():
+    """launch.ProgressRelay: rank 0's progress log lines, as torchrun streams them, drive a local progress (and so
+    the Prefect artifact); other lines pass through."""
+    from elmo_core.launch import ProgressRelay
+    from elmo_core.progress import add_sink
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, str, float]] = []
+
+        def begin(self, progress) -> None:  # noqa: ANN001
+            self.events.append(("begin", progress.name, progress.total))
+
+        def update(self, progress, line) -> None:  # noqa: ANN001
+            self.events.append(("update", progress.name, progress.done))
+
+        def end(self, progress, seconds) -> None:  # noqa: ANN001
+            self.events.append(("end", progress.name, progress.done))
+
+    recorder = Recorder()
+    with add_sink(recorder):
+        relay = ProgressRelay()
+        assert relay.feed(
+            "2026-12-01 19:32:39,606 elmo_core.progress INFO train: 24/240 steps (10%), ETA 0:41, loss 4.1"
+        )
+        assert relay.feed("train: 1,200/2,400 steps (50%), ETA 1:02:03")
+        assert not relay.feed("2026-12-01 19:32:40,001 elmo_core.train INFO checkpoint /x/step-000000020.pt")
+        assert relay.feed("evaluate: 3/3 batches (100%), ETA 0:00, perplexity 61.2")
+        relay.close()
+    assert recorder.events[:2] == [("begin", "train", 240.0), ("update", "train", 24.0)]
+    assert ("begin", "train", 2400.0) in recorder.events and ("update", "train", 1200.0) in recorder.events
+    assert ("end", "evaluate", 3.0) in recorder.events and recorder.events[-1] == ("end", "train", 1200.0)
