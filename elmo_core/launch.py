@@ -3,9 +3,12 @@ child process group that the train stage owns.
 
 ``launch(config)`` trains in this process when the launch options ask for one process; otherwise it starts
 torchrun with ``nproc_per_node`` ranks (``auto``: the visible GPUs, else 1) on ``nnodes`` machines, streams rank 0's
-lines to ``on_line`` (the terminal, or Prefect's logger), and returns rank 0's result from the file it writes. A rank
-that dies ends the launch in one line naming it and its last error; a stop (SIGTERM or SIGINT to this process, a
-Prefect cancel) reaches every rank, which stop at the same step after a checkpoint, and no process is left behind.
+lines to ``on_line`` (the terminal, or Prefect's logger; its progress lines move this process's own progress),
+and returns rank 0's result from the file it writes. A rank that dies ends the launch in one line naming it and its
+last error; a stop (SIGTERM or SIGINT to this process, a Prefect cancel) reaches every rank, which stop at the same
+step after a checkpoint, and no process is left behind. Several machines meet at node 0 (``rdzv_endpoint``, the
+static rendezvous): machine N runs ranks N * nproc_per_node onwards, so rank 0 and its result are on node 0, and
+the launch on another machine ends with one line saying so.
 """
 
 from __future__ import annotations
