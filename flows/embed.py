@@ -148,6 +148,9 @@ def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int 
     return _with_one_server(lambda: embed_flow.with_options(task_runner=runner)(config))
 
 
+SERVER_START_TIMEOUT_S = 120  # Prefect waits 20 s by default; a busy machine (training beside) can take longer
+
+
 def _with_one_server(run: Any) -> Any:
     """Run the flow against one temporary Prefect server that the local cluster's workers inherit (they read
     PREFECT_API_URL from the environment they are spawned with), stopped when the job ends."""
@@ -155,7 +158,7 @@ def _with_one_server(run: Any) -> Any:
     from prefect.settings import temporary_settings
 
     server = SubprocessASGIServer()
-    server.start()
+    server.start(timeout=SERVER_START_TIMEOUT_S)
     previous = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
