@@ -217,14 +217,14 @@ def _strip_rank_prefix(line: str) -> str:
 def _failure(lines: list[str], logs: Path, code: int) -> str:
     """One line: which rank failed, how, and its last error line (from torchrun's summary and the rank's log)."""
     text = "\n".join(lines)
-    rank = re.search(r"rank\s*:\s*(\d+)", text)
-    exit_code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
-    if rank is None:
+    failed = [(int(r), int(c)) for r, c in re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S)]
+    if not failed:
         last = next((line for line in reversed(lines) if line.strip()), "")
         return f"the launched training failed (exit code {code}): {_strip_rank_prefix(last)[:300]}"
-    number = int(exit_code.group(1)) if exit_code else code
+    # a rank killed by a signal is the cause; the others then fail on their broken connection to it
+    rank, number = next(((r, c) for r, c in failed if c < 0), failed[-1])  # else torchrun's root cause (listed last)
     how = f"killed by {signal.Signals(-number).name}" if number < 0 else f"exit code {number}"
-    return f"rank {rank.group(1)} of the launched training failed ({how}): {_last_error(logs, int(rank.group(1)))}"
+    return f"rank {rank} of the launched training failed ({how}): {_last_error(logs, rank)}"
 
 
 _ERROR_LINE = re.compile(r"^(elmo [\w ]+: error: |[\w.]*(Error|Exception): )")

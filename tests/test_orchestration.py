@@ -480,7 +480,7 @@ def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_a
         rank1.kill()
         _wait(lambda: _flow_run_state(env, killed) in ("FAILED", "CRASHED"), 120, "the failed state")
         logs = _api(
-            env, "/logs/filter", {"logs": {"flow_run_id": {"any_": [killed]}}, "limit": 50, "sort": "TIMESTAMP_DESC"}
+            env, "/logs/filter", {"logs": {"flow_run_id": {"any_": [killed]}}, "limit": 200, "sort": "TIMESTAMP_DESC"}
         )
         failed = "rank 1 of the launched training failed (killed by SIGKILL)"
         assert any(failed in log["message"] for log in logs), [log["message"] for log in logs][:10]

@@ -104,3 +104,25 @@ def test_a_launched_ranks_progress_lines_move_this_process_progress():
     assert recorder.events[:2] == [("begin", "train", 240.0), ("update", "train", 24.0)]
     assert ("begin", "train", 2400.0) in recorder.events and ("update", "train", 1200.0) in recorder.events
     assert ("end", "evaluate", 3.0) in recorder.events and recorder.events[-1] == ("end", "train", 1200.0)
+
+
+def test_a_launch_failure_names_the_rank_killed_not_the_ranks_it_broke(tmp_path):
+    """torchrun lists the other failures before its root cause; a rank killed by a signal is named first."""
+    from elmo_core.launch import _failure
+
+    def block(rank: int, code: int) -> list[str]:
+        return [f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 12{rank})"]
+
+    summary = [
+        "elmo_core.cli FAILED",
+        "Failures:",
+        "[1]:",
+        *block(0, 1),
+        "Root Cause (first observed failure):",
+        "[0]:",
+    ]
+    killed = _failure([*summary, *block(1, -9)], tmp_path, 1)
+    assert killed.startswith("rank 1 of the launched training failed (killed by SIGKILL)")
+    broke = _failure([*summary, *block(1, 1)], tmp_path, 1)
+    assert broke.startswith("rank 1 of the launched training failed (exit code 1)")  # the root cause
+    assert _failure(["something else"], tmp_path, 3).startswith("the launched training failed (exit code 3)")
