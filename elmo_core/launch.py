@@ -221,8 +221,10 @@ def _failure(lines: list[str], logs: Path, code: int) -> str:
     if not failed:
         last = next((line for line in reversed(lines) if line.strip()), "")
         return f"the launched training failed (exit code {code}): {_strip_rank_prefix(last)[:300]}"
-    # a rank killed by a signal is the cause; the others then fail on their broken connection to it
-    rank, number = next(((r, c) for r, c in failed if c < 0), failed[-1])  # else torchrun's root cause (listed last)
+    # torchrun's root cause (listed last), unless another rank was killed by a signal torchrun does not send itself
+    # (it stops the rest with SIGTERM): then that kill is the cause, and the root cause a rank broken by it
+    killed = [(r, c) for r, c in failed if c < 0 and -c not in (signal.SIGTERM, signal.SIGINT)]
+    rank, number = killed[0] if killed and failed[-1][1] >= 0 else failed[-1]
     how = f"killed by {signal.Signals(-number).name}" if number < 0 else f"exit code {number}"
     return f"rank {rank} of the launched training failed ({how}): {_last_error(logs, rank)}"
 

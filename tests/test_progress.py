@@ -107,22 +107,23 @@ def test_a_launched_ranks_progress_lines_move_this_process_progress():
 
 
 def test_a_launch_failure_names_the_rank_killed_not_the_ranks_it_broke(tmp_path):
-    """torchrun lists the other failures before its root cause; a rank killed by a signal is named first."""
+    """torchrun lists the other failures before its root cause; a rank killed by a signal that torchrun does not send
+    (it stops the others with SIGTERM) is the cause, named even where another rank failed first."""
     from elmo_core.launch import _failure
 
     def block(rank: int, code: int) -> list[str]:
         return [f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 12{rank})"]
 
-    summary = [
-        "elmo_core.cli FAILED",
-        "Failures:",
-        "[1]:",
-        *block(0, 1),
-        "Root Cause (first observed failure):",
-        "[0]:",
-    ]
-    killed = _failure([*summary, *block(1, -9)], tmp_path, 1)
+    def summary(others: list[tuple[int, int]], root: tuple[int, int]) -> list[str]:
+        lines = ["elmo_core.cli FAILED", "Failures:"]
+        for rank, code in others:
+            lines += ["[1]:", *block(rank, code)]
+        return [*lines, "Root Cause (first observed failure):", "[0]:", *block(*root)]
+
+    killed = _failure(summary([(0, -15)], (1, -9)), tmp_path, 1)  # torchrun stopped rank 0 after rank 1's kill
     assert killed.startswith("rank 1 of the launched training failed (killed by SIGKILL)")
-    broke = _failure([*summary, *block(1, 1)], tmp_path, 1)
-    assert broke.startswith("rank 1 of the launched training failed (exit code 1)")  # the root cause
+    broken = _failure(summary([(1, -9)], (0, 1)), tmp_path, 1)  # rank 0 failed first, on its link to rank 1
+    assert broken.startswith("rank 1 of the launched training failed (killed by SIGKILL)")
+    plain = _failure(summary([(0, -15)], (1, 1)), tmp_path, 1)
+    assert plain.startswith("rank 1 of the launched training failed (exit code 1)")
     assert _failure(["something else"], tmp_path, 3).startswith("the launched training failed (exit code 3)")
