@@ -167,29 +167,29 @@ def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
 
 
 def table(out: Path, corpora: list[str], recipes: list[str]) -> None:
-    shown = [m for m in (5.0, 15.0, 30.0, 60.0)]
-    print("\nheldout perplexity after CPU-minutes (one thread; steps in brackets)")
-    header = f"{'corpus':<9}{'recipe':<18}" + "".join(f"{m:>18.0f}" for m in shown)
+    shown = (2.5, 5.0, 15.0, 30.0)
+    print("\nheldout perplexity after CPU-minutes (one thread); % against today-fp32 at the same budget")
+    header = f"{'corpus':<9}{'recipe':<14}" + "".join(f"{m:>17g}" for m in shown) + f"{'steps':>9}{'best':>14}"
     print(header)
     print("-" * len(header))
     for corpus in corpora:
         base = _points(out, corpus, "today-fp32")
         for recipe in recipes:
             points = _points(out, corpus, recipe)
+            if not points:
+                continue
             cells = []
             for m in shown:
                 p = points.get(m)
-                if p is None:
-                    cells.append(f"{'':>18}")
-                    continue
-                vs = (
-                    f" {100 * (p['perplexity'] / base[m]['perplexity'] - 1):+.1f}%"
-                    if m in base and recipe != "today-fp32"
-                    else ""
-                )
-                cells.append(f"{p['perplexity']:>9.2f}{vs:>9}")
-            print(f"{corpus:<9}{recipe:<18}" + "".join(cells))
-    print("(% against today-fp32 at the same budget)")
+                vs = f" {100 * (p['perplexity'] / base[m]['perplexity'] - 1):+.0f}%" if p and m in base else ""
+                cells.append(f"{p['perplexity']:>10.1f}{vs if recipe != 'today-fp32' else '':>7}" if p else f"{'':>17}")
+            last = points[max(points)]
+            best = min(points.values(), key=lambda p: p["perplexity"])
+            print(
+                f"{corpus:<9}{recipe:<14}" + "".join(cells)
+                + f"{last['step']:>9,}{best['perplexity']:>8.1f} @{best['cpu_minutes']:g}"
+            )  # fmt: skip
+    print("steps: at the last point; best: the lowest heldout perplexity seen, and when (CPU-minutes)")
 
 
 def _points(out: Path, corpus: str, recipe: str) -> dict[float, dict[str, float]]:
@@ -219,7 +219,7 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
         ax.legend()
     fig.tight_layout()
     path = out / "curves.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=75)
     return path
 
 
