@@ -418,6 +418,7 @@ class Run:
     device: torch.device
     ddp: _Dist
     precision: str
+    precision_reason: str  # why (``precision.choose_precision``): logged and kept as an MLflow param
     vocab: list[str]
     unigram_counts: np.ndarray
     bilm: BiLM
@@ -483,6 +484,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         device=device,
         ddp=ddp,
         precision=precision,
+        precision_reason=why,
         vocab=vocab,
         unigram_counts=counts,
         bilm=bilm,
@@ -551,7 +553,7 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
                 "sparse_softmax": sparse,
                 "device": str(run.device),
                 "precision": run.precision,
-                "precision_reason": choose_precision(config.precision, run.device)[1],
+                "precision_reason": run.precision_reason,
             },
         }
     )
