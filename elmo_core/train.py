@@ -50,7 +50,7 @@ from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
 from elmo_core.options import TrainConfig, validate
 from elmo_core.precision import autocast, choose_precision, pick_device
-from elmo_core.prefetch import Prefetcher
+from elmo_core.prefetch import Prefetcher, to_tensors
 from elmo_core.progress import track
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import (
@@ -205,14 +205,11 @@ def _full_softmax_losses(
     objective: LMObjective, batch: dict[str, np.ndarray], state: LstmState | None, device: torch.device
 ) -> tuple[float, float, LstmState]:
     """One window's mean forward and backward losses under the full softmax, and the state after it."""
-    top_f, top_b, state = objective.hidden(
-        _tensor(batch["tokens_characters"], device), _tensor(batch["tokens_characters_reverse"], device), state
-    )
+    tensors = to_tensors(batch, device)  # the same conversion as the training batches'
+    top_f, top_b, state = objective.hidden(tensors["tokens_characters"], tensors["tokens_characters_reverse"], state)
     softmax = objective.bilm.softmax
     losses = [
-        float(
-            full_softmax_loss(top.flatten(0, 1), _tensor(batch[key], device).reshape(-1), softmax.weight, softmax.bias)
-        )
+        float(full_softmax_loss(top.flatten(0, 1), tensors[key].reshape(-1), softmax.weight, softmax.bias))
         for top, key in ((top_f, "next_token_id"), (top_b, "next_token_id_reverse"))
     ]
     return losses[0], losses[1], state
@@ -274,10 +271,6 @@ def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
         counts[1] += len(ids)
         tokens += len(flat)
     return counts, tokens
-
-
-def _tensor(array: np.ndarray, device: torch.device) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).long().to(device, non_blocking=True)
 
 
 # ----- distributed ------------------------------------------------------------------------------------
