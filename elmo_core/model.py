@@ -23,12 +23,14 @@ forget-gate +1 and is frozen). With clipping (every published model) the recurre
 
 What runs a CPU inference step faster (weights prepared once, oneDNN packing, a C gate kernel) lives in
 ``elmo_core/kernels/``: ``BiLM.prepare(precision)`` chooses it once and ``BiLM.kernels`` says what it chose.
-Training and any call with gradients run the reference ``LstmCell`` below.
+Training and any call with gradients run the reference ``LstmCell`` below; ``BiLM.prepare_training()`` (the
+trainer's) lets each of its steps run as one autograd node with the gates in C on a CPU (``BiLM.training_kernels``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,7 +46,8 @@ from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import InputError, WeightFileError
 from elmo_core.inference import LstmState
-from elmo_core.kernels import Kernels, choose
+from elmo_core.kernels import Kernels, TrainingKernels, choose, choose_training
+from elmo_core.kernels.trained_step import Window
 from elmo_core.precision import resolve_precision
 from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
@@ -148,10 +151,14 @@ def _at_least_fp32(t: Tensor) -> Tensor:
 class LstmCell:
     """TensorFlow's ``LSTMCell(num_proj, cell_clip, proj_clip)`` for one layer, both directions: the reference
     arithmetic, differentiable (training, CUDA, any call with gradients). Under autocast the products run in its
-    dtype and the gates and the cell state in float32."""
+    dtype and the gates and the cell state in float32. ``one_node``: each step runs as one autograd node, these
+    products with the gates in C forward and backward, and the weight gradients come once per window
+    (``kernels.trained_step.Window``; CPU tensors): the same numbers to float rounding."""
 
-    def __init__(self, pair: Sequence[nn.LSTM], clips: Clips) -> None:
+    def __init__(self, pair: Sequence[nn.LSTM], clips: Clips, one_node: bool = False) -> None:
         self.cell_clip, self.proj_clip = clips
+        self.one_node = one_node
+        self.window: Window | None = None
         self.bias = (_stacked(pair, "bias_ih_l0") + _stacked(pair, "bias_hh_l0")).unsqueeze(1)  # (2, 1, 4H)
         self.w_ih_t = _stacked(pair, "weight_ih_l0").transpose(1, 2)  # (2, in, 4H)
         self.w_hh_t = _stacked(pair, "weight_hh_l0").transpose(1, 2)  # (2, P, 4H)
@@ -167,6 +174,9 @@ class LstmCell:
     def steps(self, x: Tensor, batch_sizes: list[int]) -> Iterable[Tensor]:
         """Each step's input gates (2, rows, 4H), from packed inputs x (2, N, in): one product for all steps. One
         split, not a slice per step: a slice's gradient would zero-fill the whole tensor at every step."""
+        if self.one_node:
+            self.window = Window(x, self.bias, self.w_ih_t, self.w_hh_t, self.w_hr_t, self.cell_clip, self.proj_clip)
+            return self.window.input_gates.split(batch_sizes, dim=1)
         return torch.baddbmm(self.bias, x, self.w_ih_t).split(batch_sizes, dim=1)
 
     def word_steps(self, table: Tensor, ids: Tensor, batch_sizes: list[int]) -> Iterator[Tensor]:
@@ -178,6 +188,8 @@ class LstmCell:
 
     def step(self, gx: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
         """One time step of the rows still running: (h, c) ─► (projected and clipped h, c)."""
+        if self.window is not None:
+            return self.window.step(gx, h, c)
         m, c = self.gates(_at_least_fp32(torch.baddbmm(gx, h, self.w_hh_t)), c)
         h = torch.bmm(m, self.w_hr_t) if self.w_hr_t is not None else m
         return (h.clamp(-self.proj_clip, self.proj_clip) if self.proj_clip is not None else h), c
@@ -464,6 +476,7 @@ class BiLM(nn.Module):
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
         self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
         self.kernels: Kernels | None = None  # what runs inference, once ``prepare`` chose it; None: the reference
+        self.training_kernels: TrainingKernels | None = None  # calls with gradients, once ``prepare_training`` chose
         self._choices: dict[Kernels, Kernels] = {}
         max_chars = config.char_cnn.max_characters_per_token
         self.register_buffer(
@@ -505,6 +518,19 @@ class BiLM(nn.Module):
         chosen = choose(self.device, precision, self.config.lstm, **choices)
         self.kernels = self._choices.setdefault(chosen, chosen)  # a choice made before keeps its prepared weights
         return self.kernels
+
+    def prepare_training(self, **choices: Any) -> TrainingKernels:
+        """Choose, once, what runs this model's calls with gradients on its device (``kernels.choose_training``;
+        ``choices`` force it): the reference cell, its gates in C on a CPU. Returns the choice, for the log."""
+        self.training_kernels = choose_training(self.device, **choices)
+        return self.training_kernels
+
+    def _gradient_cell(self) -> Callable[[Sequence[nn.LSTM], Clips], Cell]:
+        """The cell of a call with gradients (or of any call the inference kernels do not run)."""
+        chosen = self.training_kernels
+        if chosen is not None and chosen.one_node and chosen.runs_on(self.device) and torch.is_grad_enabled():
+            return functools.partial(LstmCell, one_node=True)
+        return LstmCell
 
     @contextlib.contextmanager
     def prepared(self, precision: str) -> Iterator[Kernels]:
@@ -630,7 +656,7 @@ class BiLM(nn.Module):
             ids = packing.read(tokens.forward, tokens.backward)
             if state is None:
                 state = self.lstm.zero_state(len(tokens.lengths), tokens.table.device, tokens.table.dtype)
-            make_cell = kernels.cell if kernels is not None and kernels.cpu_cells else LstmCell
+            make_cell = kernels.cell if kernels is not None and kernels.cpu_cells else self._gradient_cell()
             outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell=make_cell, dropout=dropout)
         if layout == "tokens":
             slots, counts = packing.token_slots(tokens)

@@ -7,7 +7,8 @@
 * The gradient is taken of ``loss × unroll_steps`` and clipped to a global norm, then Adagrad (lr 0.2, initial
   accumulator 1.0) steps: bilm-tf's recipe. AdamW is an option.
 * ``precision: bf16`` autocasts the forward (CPU or CUDA); master weights, optimizer state, the LSTM cell and
-  the softmax with its loss stay float32.
+  the softmax with its loss stay float32. On a CPU each LSTM step is one autograd node with its gates in C
+  (``BiLM.prepare_training``, ``kernels.trained_step``), chosen once and logged.
 * A checkpoint (``checkpoint.py``) holds everything in ``Checkpoint``: an exact resume continues the same
   batches, samples and dropout masks. Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
 
@@ -468,8 +469,10 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
     precision, why = choose_precision(config.precision, device)
+    kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/kernels)
     if ddp.main:
         log.info("precision %s (%s)", precision, why)
+        log.info("%s", kernels)
     run = Run(
         config=config,
         out=out,
@@ -547,6 +550,7 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
                 "device": str(run.device),
                 "precision": run.precision,
                 "precision_reason": run.precision_reason,
+                "kernels": str(run.bilm.training_kernels),
             },
         }
     )

@@ -26,7 +26,7 @@ LAYERS = [
     "prefetch",  # text → Parquet → DuckDB vocab → batches, made ahead of the step
     "weights",
     "inference",
-    "kernels",  # the speed kernels of CPU inference, a package of their own (KERNELS below)
+    "kernels",  # the CPU's speed kernels (inference, training), a package of their own (PACKAGES below)
     "model",
     "__init__",  # weight files, running over sentences, the network
     "softmax",
@@ -46,7 +46,7 @@ LAYERS = [
 
 # inside the subpackages, bottom up likewise
 PACKAGES = {
-    "kernels": ["cache", "packed", "fused_gates", "cells", "choice", "__init__"],
+    "kernels": ["cache", "packed", "fused_gates", "trained_step", "cells", "choice", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
 }

@@ -1,17 +1,19 @@
-"""The speed kernels of CPU inference, in a room of their own: the model (``model.py``) is the network and its
-reference arithmetic; this package holds what makes its inference fast on a CPU, and ``Kernels`` says which of it
-runs (``elmo -v embed`` prints it).
+"""The speed kernels of the CPU, in a room of their own: the model (``model.py``) is the network and its reference
+arithmetic; this package holds what makes its inference and its training fast on a CPU, and ``Kernels`` (inference,
+``elmo -v embed`` prints it) and ``TrainingKernels`` (the training log prints it) say which of it runs.
 
-    choice       ``Kernels`` and ``choose``: made once by ``BiLM.prepare(precision)``, printable
+    choice       ``Kernels``/``choose`` and ``TrainingKernels``/``choose_training``: made once by
+                 ``BiLM.prepare(precision)`` and ``BiLM.prepare_training()``, printable
     cells        ``CpuCell``: an LSTM layer's step, both directions, fp32 or bf16, on weights prepared once
     cache        ``WeightCache``: derived weights (stacked, cast, packed) kept until a parameter changes
     packed       weights packed once into oneDNN's layout for the small per-step products
     fused_gates  the gate arithmetic of a step as one C loop (``lstm_gates.c``), built on first use
+    trained_step  a training step of an LSTM layer as one autograd node: PyTorch's products, the gates in C
 
 Every kernel computes the reference's numbers: fp32 to float rounding (tests hold 1e-5), bf16 to a cosine of
 0.999 on real text (``tests/test_precision.py``).
 """
 
-from elmo_core.kernels.choice import Kernels, choose
+from elmo_core.kernels.choice import Kernels, TrainingKernels, choose, choose_training
 
-__all__ = ["Kernels", "choose"]
+__all__ = ["Kernels", "TrainingKernels", "choose", "choose_training"]

@@ -1,7 +1,9 @@
-"""``Kernels``: what runs a prepared model's inference, chosen once (``choose``) and printable.
+"""What runs a model, chosen once and printable: ``Kernels`` for inference (``choose``), ``TrainingKernels`` for
+calls with gradients (``choose_training``).
 
 ``BiLM.prepare(precision)`` calls ``choose`` and keeps the result; every inference call then runs what it says.
-Training, and any call with gradients, runs the reference arithmetic of ``model.py`` whatever was chosen.
+``BiLM.prepare_training()`` (the trainer calls it, and logs it) calls ``choose_training``: calls with gradients run
+the reference arithmetic of ``model.py``, each LSTM step one autograd node with its gates in C on a CPU where built.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch import nn
 
 from elmo_core.config import LstmConfig
-from elmo_core.kernels import fused_gates, packed
+from elmo_core.kernels import fused_gates, packed, trained_step
 from elmo_core.kernels.cache import WeightCache
 from elmo_core.kernels.cells import CpuCell
 from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, resolve_precision
@@ -108,6 +110,38 @@ def choose(
         packed_weights=_describe_packing(lstm, min_packed),  # type: ignore[arg-type]
         gate_kernel_note=gate_note,
     )
+
+
+@dataclass(frozen=True)
+class TrainingKernels:
+    """What runs a model's calls with gradients on one device: ``model.LstmCell`` (the reference products, under
+    the run's autocast); with ``one_node`` each step one autograd node, its gate arithmetic in C forward and
+    backward (``trained_step``); ``note`` says why not where it is off."""
+
+    device: str
+    one_node: bool
+    note: str = ""
+
+    def __str__(self) -> str:
+        how = (
+            "each step one autograd node, its gates in C forward and backward"
+            if self.one_node
+            else f"PyTorch ops {self.note}"
+        )
+        return f"training on {self.device}: the reference LSTM cell (PyTorch products, autocast), {how}"
+
+    def runs_on(self, device: torch.device) -> bool:
+        return device.type == self.device
+
+
+def choose_training(device: torch.device, *, one_node: bool | None = None) -> TrainingKernels:
+    """On the CPU one node per step with the C gates, where they build (``ELMO_NO_FUSED_GATES=1`` turns them off,
+    ``one_node`` forces the choice); on CUDA the reference, whose launches run asynchronously ahead of the GPU."""
+    if device.type != "cpu":
+        return TrainingKernels(device.type, False, "(not a CPU)")
+    if one_node is False:
+        return TrainingKernels(device.type, False, "(not chosen)")
+    return TrainingKernels(device.type, trained_step.available(), f"(the C loops: {trained_step.describe()})")
 
 
 def _describe_packing(lstm: LstmConfig, min_packed: int | None) -> str:

@@ -150,6 +150,11 @@ def _self_check(lib: ctypes.CDLL) -> float:
     return float(max((m - m_ref).abs().max(), (c_new - c_ref).abs().max()))
 
 
+def library() -> ctypes.CDLL | str:
+    """The built library (its inference and training functions), or why there is none; built on the first call."""
+    return _library()
+
+
 def available() -> bool:
     """The fused kernel is built and loaded here (built on the first call)."""
     return not isinstance(_library(), str)
