@@ -94,7 +94,9 @@ class Parts:
 
         def lstm() -> torch.Tensor:
             with autocast(run.device, run.precision):
-                outputs, _ = bilm.lstm(leaf, ids, packing, state, dropout=run.config.dropout)
+                outputs, _ = bilm.lstm(
+                    leaf, ids, packing, state, make_cell=bilm._gradient_cell(), dropout=run.config.dropout
+                )  # the cell training runs (the C gates on a CPU)
             return outputs[-1]
 
         top = lstm()

@@ -3,7 +3,8 @@ per token and the fraction of a `torch.matmul` roofline measured in the same run
 perplexity after the same number of steps in both precisions on real text.
 
     .venv/bin/python bench/train_throughput.py [--shapes mini,2x512_128,small] [--batches 32,128] [--steps 3]
-                                               [--threads N] [--device cpu] [--quality]
+                                               [--threads N] [--device cpu] [--quality] [--main-job]
+                                               [--against REV]
 
 Shapes: the presets (``mini`` is the main job's model) and ``2x512_128`` (the published char CNN, one highway, a
 2-layer LSTM of 512 cells projected to 128). Each runs at every batch of ``--batches`` rows x 20 steps (bilm-tf
@@ -12,6 +13,10 @@ Throughput: batches from the real batch generator over a generated Zipfian corpu
 negatives as bilm-tf, 512 for ``mini`` as the main job); the two precisions alternate in rounds so that both see
 the same machine. bf16 is autocast
 for the forward with float32 master weights, optimizer state, LSTM cell and softmax loss (``precision: bf16``).
+Main job (``--main-job``): ``train.step`` with the main job's defaults against its recipe before bench/cpu_recipe.py,
+on this code. ``--against REV``: the main job's training as a user runs it, this checkout against the code at git
+revision REV (each with its own defaults then), on the same data: one worker process per tree, stepping in
+alternating rounds.
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
 ``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """
@@ -19,7 +24,11 @@ Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +36,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
@@ -81,6 +91,7 @@ class Trainer:
         self.bilm = BiLM(config)
         init_bilm_tf(self.bilm)
         self.bilm.to(device).train()
+        self.bilm.prepare_training()  # what train.setup chooses: the C gates on a CPU
         self.device, self.precision = device, precision
         self.objective = LMObjective(self.bilm, 0.1, sparse=device.type == "cpu")
         self.params = [p for p in self.bilm.parameters() if p.requires_grad]
@@ -207,6 +218,67 @@ def main_job(args: argparse.Namespace) -> None:
         print(f"  now / before: {median['now'] / median['before']:.2f}x")
 
 
+# The worker of --against: the main job's training (its defaults in that tree) stepped in rounds of 20 on "go".
+_MAIN_JOB_WORKER = """
+import sys, time
+from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
+from elmo_core.train import setup, step
+options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
+options.update(tracking="none", device="cpu", max_steps=10**9)
+run = setup(TrainConfig(data=sys.argv[1], out=sys.argv[2], **options))
+for _ in range(5):
+    step(run)
+print(run.precision, flush=True)
+for _ in sys.stdin:
+    start = time.perf_counter()
+    for _ in range(20):
+        step(run)
+    print(20 * run.tokens_per_step / (time.perf_counter() - start), flush=True)
+"""
+
+
+def main_job_against(args: argparse.Namespace) -> None:
+    """This checkout's main-job training against the code at ``args.against``: the revision is extracted with
+    ``git archive`` (nothing in the checkout changes) and each tree trains in its own process on the same data."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = main_job_data(Path(tmp))
+        baseline = Path(tmp) / "baseline"
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.against], capture_output=True, check=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(baseline, filter="data")
+        workers = {}
+        for name, tree in ((args.against, baseline), ("this checkout", ROOT)):
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            workers[name] = subprocess.Popen(
+                [sys.executable, "-c", _MAIN_JOB_WORKER, str(data), f"{tmp}/{len(workers)}"],
+                cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        precisions = {name: worker.stdout.readline().strip() for name, worker in workers.items()}  # type: ignore[union-attr]
+        rates: dict[str, list[float]] = {name: [] for name in workers}
+        for _ in range(args.main_job_rounds):  # one at a time, alternating: both see the same machine
+            for name, worker in workers.items():
+                worker.stdin.write("go\n")  # type: ignore[union-attr]
+                worker.stdin.flush()  # type: ignore[union-attr]
+                rates[name].append(float(worker.stdout.readline()))  # type: ignore[union-attr]
+        for worker in workers.values():
+            worker.stdin.close()  # type: ignore[union-attr]
+            worker.kill()
+            worker.wait()
+    median = {name: sorted(r)[len(r) // 2] for name, r in rates.items()}
+    print(
+        f"\nthe main job's training as a user runs it (pydoc topics, its defaults in each tree, "
+        f"{torch.get_num_threads()} threads, medians of {args.main_job_rounds} rounds of 20 steps)"
+    )
+    for name in workers:
+        print(f"  {name:<14} precision {precisions[name]}: {median[name]:,.0f} tok/s")
+    before, now = median[args.against], median["this checkout"]
+    paired = sorted(n / b for n, b in zip(rates["this checkout"], rates[args.against]))  # each round's own ratio
+    print(
+        f"  this checkout / {args.against}: {now / before:.2f}x (median of the rounds' ratios "
+        f"{paired[len(paired) // 2]:.2f}x, range {paired[0]:.2f}-{paired[-1]:.2f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mini,2x512_128,small", help="presets, or 2x512_128")
@@ -217,6 +289,7 @@ def main() -> None:
     parser.add_argument("--quality", action="store_true", help="also train the main job's model in both precisions")
     parser.add_argument("--main-job", action="store_true", help="also the main job's training: now against before")
     parser.add_argument("--main-job-rounds", type=int, default=7)
+    parser.add_argument("--against", metavar="REV", help="also the main job's training against the code at git REV")
     parser.add_argument("--quality-steps", type=int, default=600)
     args = parser.parse_args()
     if args.threads:
@@ -227,6 +300,8 @@ def main() -> None:
         throughput(args, device)
     if args.main_job:
         main_job(args)
+    if args.against:
+        main_job_against(args)
     if args.quality:
         quality(args)
 
