@@ -2,6 +2,7 @@
 
     OUT/checkpoints/step-000001250.pt          the payload (``torch.save``; loads with ``weights_only=True``)
     OUT/checkpoints/step-000001250.pt.sha256   its digest, in ``sha256sum`` format (``sha256sum -c`` checks it)
+    OUT/checkpoints/best-000000800.pt (+ .sha256)   ``export: best``: the weights of the lowest heldout perplexity yet
 
 The digest file is written first and the checkpoint renamed into place after it, so a checkpoint that exists is
 complete and has its digest. Resume and export take the newest checkpoint whose bytes still match and that
@@ -22,6 +23,7 @@ from elmo_core.fileio import atomic_path, file_sha256, write_text_atomic
 log = logging.getLogger(__name__)
 
 PATTERN = "step-*.pt"
+BEST_PATTERN = "best-*.pt"
 
 
 def checkpoint_dir(out: str | Path) -> Path:
@@ -109,3 +111,41 @@ def load_newest_valid(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
             f"no valid checkpoint in {checkpoint_dir(out)}: {'; '.join(damaged)}; delete them to start the run afresh"
         )
     return None
+
+
+def _bests(out: str | Path) -> list[Path]:
+    return sorted(checkpoint_dir(out).glob(BEST_PATTERN), key=_step)
+
+
+def write_best(out: str | Path, step: int, payload: dict[str, Any]) -> Path:
+    """Save the best weights so far (``payload``: step, heldout result, model) as ``best-<step>.pt``, then drop the
+    previous best: a crash at any point leaves one complete best file with its digest."""
+    directory = checkpoint_dir(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"best-{step:09d}.pt"
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+        write_text_atomic(digest_path(path), f"{file_sha256(tmp)}  {path.name}\n")
+    for old in _bests(out):
+        if old != path:
+            old.unlink()
+            digest_path(old).unlink(missing_ok=True)
+    return path
+
+
+def load_best(out: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest best weights of a run folder that verify and load, with their path; None where there are none. A
+    damaged file is named in a warning and skipped."""
+    for path in reversed(_bests(out)):
+        payload, issue = _read_verified(path)
+        if payload is not None:
+            return path, payload
+        log.warning("ignored %s: %s", path, issue)
+    return None
+
+
+def remove_best(out: str | Path) -> None:
+    """Forget a folder's best weights (a run starting afresh there)."""
+    for path in _bests(out):
+        path.unlink()
+        digest_path(path).unlink(missing_ok=True)

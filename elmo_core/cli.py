@@ -464,7 +464,8 @@ COMMANDS: dict[str, Command] = {
         positional=(),
         help="checkpoint -> bilm-tf/AllenNLP model directory",
         description=(
-            "Writes the newest checkpoint whose checksum verifies. Example: elmo export --run data/train --out my_elmo"
+            "Writes the newest checkpoint whose checksum verifies, or a run's best weights where it trained with "
+            "export: best. Example: elmo export --run data/train --out my_elmo"
         ),
     ),
     "embed": Command(

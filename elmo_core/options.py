@@ -203,6 +203,11 @@ class TrainOptions(Options):
     log_every: int = Field(10, gt=0, description="steps between logged metrics")
     checkpoint_every: int = Field(1250, gt=0, description="steps between checkpoints")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
+    export: Literal["last", "best"] = Field(
+        "last",
+        description="the model exported at the end: last = the final weights (bilm-tf); best = the weights of the "
+        "lowest heldout perplexity among the evaluations after each epoch and at the end",
+    )
     eval_batch_size: int = Field(64, gt=0, description="rows per heldout evaluation batch")
     eval_max_batches: int | None = Field(None, gt=0, description="evaluate on at most this many heldout batches")
     on_nan: Literal["stop", "skip"] = Field(
@@ -242,9 +247,16 @@ class TrainConfig(TrainOptions):
     )
 
 
-# The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf.
+# The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf, and the
+# export of the best heldout weights (bench/cpu_recipe.py: a small corpus overfits within minutes).
 CPU_TRAIN_OPTIONS = TrainOptions(
-    preset="mini", batch_size=32, n_negative_samples_batch=512, log_every=20, checkpoint_every=200, resume=True
+    preset="mini",
+    batch_size=32,
+    n_negative_samples_batch=512,
+    log_every=20,
+    checkpoint_every=200,
+    resume=True,
+    export="best",
 )
 
 
@@ -309,7 +321,10 @@ class PerplexityConfig(Options):
 
 
 class ExportConfig(Options):
-    run: str | None = Field(None, description="run folder: exports its newest valid checkpoint")
+    run: str | None = Field(
+        None,
+        description="run folder: its newest valid checkpoint (its best weights where it trained with export: best)",
+    )
     checkpoint: str | None = Field(None, description="a checkpoint file instead")
     out: str = Field(description="model directory to write (options.json, weights.hdf5 with softmax, vocab.txt)")
 

@@ -38,7 +38,16 @@ from torch import Tensor, nn
 
 from elmo_core.batches import LMBatcher
 from elmo_core.chars import model_ids
-from elmo_core.checkpoint import checkpoint_dir, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
+from elmo_core.checkpoint import (
+    checkpoint_dir,
+    list_checkpoints,
+    load_best,
+    load_checkpoint,
+    load_newest_valid,
+    remove_best,
+    write_best,
+    write_checkpoint,
+)
 from elmo_core.errors import (
     CheckpointError,
     ConfigError,
@@ -82,11 +91,12 @@ log = logging.getLogger(__name__)
 class TrainResult:
     steps: int
     final_loss: float
-    perplexity: dict[str, float]
+    perplexity: dict[str, float]  # the exported model's heldout perplexity ({} without a heldout split)
     model_dir: Path
     run_id: str | None = None
     model_uri: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    exported_step: int = 0  # the step whose weights were exported (``export: best`` may pick an earlier one)
 
 
 # ----- the model under training ---------------------------------------------------------------------
@@ -430,6 +440,7 @@ class Run:
     skipped: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
+    best: dict[str, Any] | None = None  # ``export: best``: step and heldout result of the best weights (on disk)
 
     @property
     def tokens_per_step(self) -> int:
@@ -510,6 +521,8 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         log.info("resumed from %s at step %d", found[0], run.step)
     elif config.resume:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
+    if ddp.main:
+        _restore_best(run)
     if ddp.main:
         _start_tracking(run, tracker, n_data_tokens, sparse)
     if ddp.nodes > 1 and config.tracking == "mlflow":
@@ -667,9 +680,10 @@ def latest_checkpoint(out: str | Path) -> Path | None:
 
 
 def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
-    """A checkpoint (or a run folder's newest valid one) ─► a bilm-tf/AllenNLP model directory.
+    """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
+    run itself exports) ─► a bilm-tf/AllenNLP model directory.
 
-    Returns (step, the checkpoint used)."""
+    Returns (step, the file used)."""
     source = Path(checkpoint_or_run)
     if source.is_dir():
         found = load_newest_valid(source)
@@ -680,11 +694,15 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
         path, payload = source, load_checkpoint(source)
     checkpoint = Checkpoint(**payload)
     config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
+    step, weights = checkpoint.step, checkpoint.model
+    best = load_best(source) if source.is_dir() and config.export == "best" else None
+    if best is not None and best[1]["step"] <= checkpoint.step:
+        path, step, weights = best[0], best[1]["step"], best[1]["model"]
     vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
-    bilm = BiLM(config.architecture(checkpoint.model["softmax.weight"].shape[0]), vocab=vocab)
-    bilm.load_state_dict(checkpoint.model)
+    bilm = BiLM(config.architecture(weights["softmax.weight"].shape[0]), vocab=vocab)
+    bilm.load_state_dict(weights)
     bilm.save_pretrained(str(out))
-    return checkpoint.step, path
+    return step, path
 
 
 # ----- one step ---------------------------------------------------------------------------------------
@@ -773,19 +791,70 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
     return result
 
 
+def _restore_best(run: Run) -> None:
+    """Rank 0 of ``export: best``: the best weights so far of the run being resumed; a run starting afresh in the
+    folder forgets any from an earlier run there, and a resume from before the best step forgets it too (the same
+    steps run again and find it again)."""
+    if run.config.export != "best":
+        return
+    found = load_best(run.out) if run.step > 0 else None
+    if found is not None and found[1]["step"] <= run.step:
+        run.best = {"step": found[1]["step"], "perplexity": found[1]["perplexity"]}
+    else:
+        remove_best(run.out)
+
+
+def keep_if_best(run: Run, result: dict[str, float]) -> None:
+    """``export: best``: write the weights if this heldout result is the lowest so far (rank 0)."""
+    if run.config.export != "best" or not result or not run.ddp.main:
+        return
+    if run.best is not None and result["perplexity"] >= run.best["perplexity"]["perplexity"]:
+        return
+    run.best = {"step": run.step, "perplexity": result}
+    model = {k: v.detach().cpu().clone() for k, v in run.bilm.state_dict().items()}
+    write_best(run.out, run.step, {**run.best, "model": model})
+    run.tracker.log_metrics({"best_heldout_perplexity": result["perplexity"]}, run.step)
+
+
+def _exported(run: Run, final: dict[str, float]) -> tuple[int, dict[str, float]]:
+    """Rank 0: the step whose weights are exported and their heldout result; with ``export: best`` the best
+    weights (the final evaluation included) are loaded into the model where they are not the final ones."""
+    keep_if_best(run, final)
+    best = run.best
+    if run.config.export != "best" or best is None or best["step"] == run.step:
+        return run.step, final
+    found = load_best(run.out)
+    if found is None or found[1]["step"] != best["step"]:
+        log.warning("the best weights (step %d) are gone from %s; exporting the final ones", best["step"], run.out)
+        return run.step, final
+    run.bilm.load_state_dict(found[1]["model"])  # after the final checkpoint: resuming is unaffected
+    log.info(
+        "exporting the weights of step %d: heldout perplexity %.2f, the lowest of the run (final step %d: %.2f)",
+        best["step"],
+        best["perplexity"]["perplexity"],
+        run.step,
+        final["perplexity"],
+    )
+    return best["step"], best["perplexity"]
+
+
 def finish(run: Run) -> TrainResult:
-    """Final checkpoint, replica check, heldout perplexity, export to OUT/model, MLflow artifacts and registry."""
+    """Final checkpoint, replica check, heldout perplexity, export to OUT/model (the final weights, or the best
+    with ``export: best``), MLflow artifacts and registry."""
     final = save(run)
     if run.ddp.world > 1:
         _check_replicas_agree(run.bilm, run.ddp, run.out)
     perplexity = evaluate_heldout(run)
-    model_dir, model_uri = run.out / "model", None
+    model_dir, model_uri, exported_step = run.out / "model", None, run.step
     if run.ddp.main:
+        exported_step, perplexity = _exported(run, perplexity)
+        run.tracker.log_metrics({"exported_step": exported_step}, run.step)
         run.bilm.token_encoder = getattr(run.bilm.token_encoder, "_orig_mod", run.bilm.token_encoder)  # undo compile
         if model_dir.exists():
             shutil.rmtree(model_dir)
         run.bilm.save_pretrained(str(model_dir))
-        write_text_atomic(run.out / "perplexity.json", json.dumps(perplexity, indent=2) + "\n")
+        exported = {**perplexity, "step": exported_step} if perplexity else {}
+        write_text_atomic(run.out / "perplexity.json", json.dumps(exported, indent=2) + "\n")
         run.tracker.log_artifact(run.out / "config.json")
         run.tracker.log_artifact(model_dir, "export")
         if final is not None:
@@ -799,6 +868,7 @@ def finish(run: Run) -> TrainResult:
         run_id=run.tracker.run_id,
         model_uri=model_uri,
         history=run.history,
+        exported_step=exported_step,
     )
 
 
@@ -863,7 +933,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
                     if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
                         log_metrics(run, record, window.rate(reset=True))
                 if run.step % run.steps_per_epoch == 0 and run.step < run.total_steps:
-                    evaluate_heldout(run)
+                    keep_if_best(run, evaluate_heldout(run))
                 if run.step % config.checkpoint_every == 0 and run.step < run.total_steps:
                     save(run)
                 if stop.agreed(run):

@@ -199,6 +199,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
         assert result is not None  # the pipeline runs on node 0 (checked in _stage_configs)
         return {
             "steps": result.steps,
+            "exported_step": result.exported_step,  # export: best (the main job's) may pick an earlier one
             "final_loss": result.final_loss,
             "perplexity": result.perplexity,
             "model_dir": str(result.model_dir),

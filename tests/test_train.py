@@ -249,6 +249,73 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
         assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
 
 
+@pytest.fixture(scope="module")
+def data_with_heldout(tmp_path_factory, bilm_tf_dir) -> Path:
+    """bilm-tf's training data with 30% of its sentences held out: the fixture model overfits it within epochs."""
+    root = tmp_path_factory.mktemp("heldout_data")
+    train_dir = bilm_tf_dir / "train"
+    ingest(IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=0.3))
+    build_vocab(
+        VocabConfig(
+            corpus=str(root / "ingest"),
+            db=str(root / "vocab" / "vocab.duckdb"),
+            vocab_file=str(train_dir / "vocab.txt"),
+        )
+    )
+    return root / "vocab"
+
+
+def _evaluations(caplog) -> dict[int, float]:
+    """The heldout perplexity of each evaluation the training logged, by step."""
+    found = {}
+    for record in caplog.records:
+        words = record.getMessage().split()
+        if words[:1] == ["step"] and words[2:4] == ["heldout", "perplexity"]:
+            found[int(words[1])] = float(words[4])
+    return found
+
+
+def _weights(model_dir: Path) -> dict[str, Tensor]:
+    return BiLM.from_pretrained(str(model_dir)).state_dict()
+
+
+def test_export_best_exports_the_lowest_heldout_perplexity_and_survives_a_resume(data_with_heldout, tmp_path, caplog):
+    from elmo_core.train import export_checkpoint
+
+    options = {**FIXTURE_OPTIONS, "data": str(data_with_heldout), "dropout": 0.0, "n_epochs": 30, "export": "best"}
+    with caplog.at_level("INFO", logger="elmo_core.train"):
+        result = train(TrainConfig(out=str(tmp_path / "run"), **options))
+    evaluations = _evaluations(caplog)
+    assert len(evaluations) == 30 and max(evaluations) == result.steps  # each epoch's end, and the end
+    best = min(evaluations, key=evaluations.get)
+    assert result.exported_step == best < result.steps  # this run overfits: its best is not its last
+    assert result.perplexity["perplexity"] == pytest.approx(evaluations[best], abs=0.005)
+    written = json.loads((tmp_path / "run" / "perplexity.json").read_text())
+    assert written["step"] == best and written["perplexity"] == pytest.approx(result.perplexity["perplexity"])
+    heldout = data_with_heldout / "token_ids" / "heldout"
+    rows, unroll = FIXTURE_OPTIONS["batch_size"], FIXTURE_OPTIONS["unroll_steps"]
+    reevaluated = evaluate(BiLM.from_pretrained(str(result.model_dir)), heldout, batch_size=rows, unroll_steps=unroll)
+    assert reevaluated["perplexity"] == pytest.approx(result.perplexity["perplexity"], rel=1e-6)
+    # `elmo export` / the pipeline's export stage of the run folder take the same weights
+    step, used = export_checkpoint(tmp_path / "run", tmp_path / "exported")
+    assert step == best and used.name == f"best-{best:09d}.pt"
+    for name, weight in _weights(tmp_path / "exported").items():
+        assert torch.equal(weight, _weights(result.model_dir)[name]), name
+
+    # stopped part-way and resumed: the best of the first part is kept, and the export is the same
+    first = train(TrainConfig(out=str(tmp_path / "resumed"), **{**options, "max_steps": best - 20}))
+    assert first.exported_step < best
+    again = train(TrainConfig(out=str(tmp_path / "resumed"), **options, resume=True))
+    assert again.exported_step == best and again.perplexity == result.perplexity
+    exported = _weights(again.model_dir)
+    for name, weight in _weights(result.model_dir).items():
+        assert torch.equal(weight, exported[name]), name
+
+    last = train(TrainConfig(out=str(tmp_path / "last"), **{**options, "export": "last"}))
+    assert last.exported_step == last.steps == result.steps  # bilm-tf's default: the final weights
+    assert not list((tmp_path / "last" / "checkpoints").glob("best-*"))
+
+
 def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
     train(
         TrainConfig(
