@@ -43,14 +43,19 @@ def list_checkpoints(out: str | Path) -> list[Path]:
     return sorted(checkpoint_dir(out).glob(PATTERN), key=_step)
 
 
+def _write_with_digest(path: Path, payload: dict[str, Any]) -> Path:
+    """``torch.save`` to a temporary name, its digest beside the final name, then the rename into place."""
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+        write_text_atomic(digest_path(path), f"{file_sha256(tmp)}  {path.name}\n")
+    return path
+
+
 def write_checkpoint(out: str | Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     """Save ``payload`` as ``step-<step>.pt`` with its digest; keep only the newest ``keep`` checkpoints."""
     directory = checkpoint_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{step:09d}.pt"
-    with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
-        write_text_atomic(digest_path(path), f"{file_sha256(tmp)}  {path.name}\n")
+    path = _write_with_digest(directory / f"step-{step:09d}.pt", payload)
     for old in list_checkpoints(out)[:-keep]:
         old.unlink()
     for digest in directory.glob(PATTERN + ".sha256"):
@@ -122,10 +127,7 @@ def write_best(out: str | Path, step: int, payload: dict[str, Any]) -> Path:
     previous best: a crash at any point leaves one complete best file with its digest."""
     directory = checkpoint_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"best-{step:09d}.pt"
-    with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
-        write_text_atomic(digest_path(path), f"{file_sha256(tmp)}  {path.name}\n")
+    path = _write_with_digest(directory / f"best-{step:09d}.pt", payload)
     for old in _bests(out):
         if old != path:
             old.unlink()

@@ -54,12 +54,12 @@ FIXTURE_OPTIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def fixture_data(tmp_path_factory, bilm_tf_dir) -> Path:
+def _ingested_fixture_data(root: Path, bilm_tf_dir: Path, heldout_fraction: float) -> Path:
     """bilm-tf's data.txt ingested, with its vocab.txt imported (the fixture's own training setup)."""
-    root = tmp_path_factory.mktemp("fixture_data")
     train_dir = bilm_tf_dir / "train"
-    ingest(IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=0.0))
+    ingest(
+        IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=heldout_fraction)
+    )
     build_vocab(
         VocabConfig(
             corpus=str(root / "ingest"),
@@ -68,6 +68,11 @@ def fixture_data(tmp_path_factory, bilm_tf_dir) -> Path:
         )
     )
     return root / "vocab"
+
+
+@pytest.fixture(scope="module")
+def fixture_data(tmp_path_factory, bilm_tf_dir) -> Path:
+    return _ingested_fixture_data(tmp_path_factory.mktemp("fixture_data"), bilm_tf_dir, heldout_fraction=0.0)
 
 
 # ----- sampled softmax against a NumPy transcription of TF's formula --------------------------------------
@@ -251,18 +256,8 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
 
 @pytest.fixture(scope="module")
 def data_with_heldout(tmp_path_factory, bilm_tf_dir) -> Path:
-    """bilm-tf's training data with 30% of its sentences held out: the fixture model overfits it within epochs."""
-    root = tmp_path_factory.mktemp("heldout_data")
-    train_dir = bilm_tf_dir / "train"
-    ingest(IngestConfig(sources=[str(train_dir / "data.txt")], out=str(root / "ingest"), heldout_fraction=0.3))
-    build_vocab(
-        VocabConfig(
-            corpus=str(root / "ingest"),
-            db=str(root / "vocab" / "vocab.duckdb"),
-            vocab_file=str(train_dir / "vocab.txt"),
-        )
-    )
-    return root / "vocab"
+    """30% of the sentences held out: the fixture model overfits the rest within epochs."""
+    return _ingested_fixture_data(tmp_path_factory.mktemp("heldout_data"), bilm_tf_dir, heldout_fraction=0.3)
 
 
 def _evaluations(caplog) -> dict[int, float]:
