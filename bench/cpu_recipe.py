@@ -58,6 +58,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "drop3": {**TODAY, "precision": "bf16", "dropout": 0.3},
     "drop5": {**TODAY, "precision": "bf16", "dropout": 0.5},
     "neg2k-drop3": {**TODAY, "precision": "bf16", "n_negative_samples_batch": 2048, "dropout": 0.3},
+    "neg256": {**TODAY, "precision": "bf16", "n_negative_samples_batch": 256},
+    "lr3": {**TODAY, "precision": "bf16", "learning_rate": 0.3},
     "adamw": {
         **TODAY,
         "precision": "bf16",

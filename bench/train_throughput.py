@@ -4,7 +4,7 @@ perplexity after the same number of steps in both precisions on real text.
 
     .venv/bin/python bench/train_throughput.py [--shapes mini,2x512_128,small] [--batches 32,128] [--steps 3]
                                                [--threads N] [--device cpu] [--quality] [--main-job]
-                                               [--against REV]
+                                               [--against REV] [--training-kernel]
 
 Shapes: the presets (``mini`` is the main job's model) and ``2x512_128`` (the published char CNN, one highway, a
 2-layer LSTM of 512 cells projected to 128). Each runs at every batch of ``--batches`` rows x 20 steps (bilm-tf
@@ -16,7 +16,8 @@ for the forward with float32 master weights, optimizer state, LSTM cell and soft
 Main job (``--main-job``): ``train.step`` with the main job's defaults against its recipe before bench/cpu_recipe.py,
 on this code. ``--against REV``: the main job's training as a user runs it, this checkout against the code at git
 revision REV (each with its own defaults then), on the same data: one worker process per tree, stepping in
-alternating rounds.
+alternating rounds. ``--training-kernel`` (instead of the precision table): whole training steps with the reference LSTM
+cell against one autograd node per step (``elmo_core/kernels/trained_step.py``), same model and batches, alternating.
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
 ``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """
@@ -85,13 +86,20 @@ class Trainer:
     """One model in one precision, stepping through the batch generator as the trainer does."""
 
     def __init__(
-        self, config: ModelConfig, data: str, rows: int, device: torch.device, precision: str, negatives: int
+        self,
+        config: ModelConfig,
+        data: str,
+        rows: int,
+        device: torch.device,
+        precision: str,
+        negatives: int,
+        one_node: bool | None = None,
     ) -> None:
         torch.manual_seed(0)
         self.bilm = BiLM(config)
         init_bilm_tf(self.bilm)
         self.bilm.to(device).train()
-        self.bilm.prepare_training()  # what train.setup chooses: the C gates on a CPU
+        self.bilm.prepare_training(one_node=one_node)  # None: what train.setup chooses (one node per step on a CPU)
         self.device, self.precision = device, precision
         self.objective = LMObjective(self.bilm, 0.1, sparse=device.type == "cpu")
         self.params = [p for p in self.bilm.parameters() if p.requires_grad]
@@ -157,6 +165,38 @@ def throughput(args: argparse.Namespace, device: torch.device) -> None:
     print("  word of a batch over the positions its longest word needs, so the nominal rate overstates the real one")
 
 
+def training_kernel(args: argparse.Namespace, device: torch.device) -> None:
+    """Whole training steps with the reference LSTM cell against one node per step (``kernels/trained_step.py``),
+    alternating, same model, data and precision."""
+    print("\ntraining steps, the reference LSTM cell against one node per step with the gates in C (tok/s)")
+    header = f"{'shape':<11}{'batch':>9}{'precision':>10}{'reference':>11}{'one node':>10}{'speed-up':>10}"
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as tmp:
+        write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
+        for shape in args.shapes.split(","):
+            config = bench_shape(shape).model_copy(update={"n_tokens_vocab": VOCAB})
+            negatives = NEGATIVES.get(shape, 8192)
+            for rows in (int(b) for b in args.batches.split(",")):
+                for precision in ("fp32", "bf16"):
+                    trainers = {
+                        name: Trainer(config, tmp, rows, device, precision, negatives, one_node=one_node)
+                        for name, one_node in (("reference", False), ("one node", True))
+                    }
+                    times: dict[str, list[float]] = {name: [] for name in trainers}
+                    for trainer in trainers.values():
+                        trainer.step()
+                    for _ in range(args.steps):
+                        for name, trainer in trainers.items():
+                            times[name].append(trainer.step())
+                    tps = {name: rows * 20 / sorted(t)[len(t) // 2] for name, t in times.items()}
+                    print(
+                        f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}{tps['reference']:>11,.0f}"
+                        f"{tps['one node']:>10,.0f}{tps['one node'] / tps['reference']:>9.2f}x"
+                    )
+                    del trainers
+
+
 def quality(args: argparse.Namespace) -> None:
     """Heldout perplexity after the same steps, fp32 against bf16, same data and seed (the main job's recipe)."""
     from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
@@ -171,6 +211,7 @@ def quality(args: argparse.Namespace) -> None:
         for precision in ("fp32", "bf16"):
             options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
             options.update(max_steps=args.quality_steps, tracking="none", precision=precision, device="cpu")
+            options["export"] = "last"  # the weights after exactly these steps in both precisions
             started = time.perf_counter()
             result = train(TrainConfig(data=str(data), out=f"{tmp}/{precision}", **options))
             results[precision] = result.perplexity["perplexity"]
@@ -290,18 +331,23 @@ def main() -> None:
     parser.add_argument("--main-job", action="store_true", help="also the main job's training: now against before")
     parser.add_argument("--main-job-rounds", type=int, default=7)
     parser.add_argument("--against", metavar="REV", help="also the main job's training against the code at git REV")
+    parser.add_argument(
+        "--training-kernel", action="store_true", help="also whole steps: the reference LSTM cell vs one node per step"
+    )
     parser.add_argument("--quality-steps", type=int, default=600)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(describe_machine(device))
-    if args.shapes:
+    if args.shapes and not args.training_kernel:
         throughput(args, device)
     if args.main_job:
         main_job(args)
     if args.against:
         main_job_against(args)
+    if args.training_kernel and device.type == "cpu":
+        training_kernel(args, device)
     if args.quality:
         quality(args)
 
