@@ -15,11 +15,11 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     prefetch   those batches made ahead of the step by a background thread, the position kept exact
     weights    bilm-tf / AllenNLP weights.hdf5 ⇄ state dict (given a config; never builds a model)
     inference  running a biLM over many sentences: batches, the token cache, the stateful carry, the one loop
-    kernels/   the speed kernels of CPU inference and ``Kernels``, the choice of them (cache, packed,
-               fused_gates + lstm_gates.c, cells, choice)
+    kernels/   the CPU's speed kernels, of inference and of training, and the choice of them (cache, packed,
+               fused_gates + lstm_gates.c, trained_step, cells, choice)
     model      char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix (one forward path)
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
-    checkpoint training checkpoints with their SHA-256, verified before use
+    checkpoint training checkpoints (and the best weights) with their SHA-256, verified before use
     tracking   the tracker interface (MLflow or nothing) and MLflow model URIs
     train      the training loop: setup, step, save/restore, finish; evaluation; DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
