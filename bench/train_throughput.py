@@ -129,6 +129,18 @@ class Trainer:
         return time.perf_counter() - start
 
 
+def _alternate(trainers: dict[str, Trainer], steps: int, rows: int) -> dict[str, float]:
+    """Tokens/s of each trainer: one warm-up step each, then ``steps`` rounds of one step each, alternating so that
+    all see the same machine; medians."""
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    for trainer in trainers.values():
+        trainer.step()
+    for _ in range(steps):
+        for name, trainer in trainers.items():
+            times[name].append(trainer.step())
+    return {name: rows * 20 / sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def throughput(args: argparse.Namespace, device: torch.device) -> None:
     roofline = matmul_roofline() if device.type == "cpu" else _cuda_roofline()
     print(
@@ -147,13 +159,7 @@ def throughput(args: argparse.Namespace, device: torch.device) -> None:
             negatives = NEGATIVES.get(shape, 8192)
             for rows in (int(b) for b in args.batches.split(",")):
                 trainers = {p: Trainer(config, tmp, rows, device, p, negatives) for p in ("fp32", "bf16")}
-                times: dict[str, list[float]] = {p: [] for p in trainers}
-                for trainer in trainers.values():
-                    trainer.step()  # warm-up
-                for _ in range(args.steps):  # alternate, so that both precisions see the same machine
-                    for name, trainer in trainers.items():
-                        times[name].append(trainer.step())
-                tps = {p: rows * 20 / sorted(t)[len(t) // 2] for p, t in times.items()}
+                tps = _alternate(trainers, args.steps, rows)
                 flops = train_flops_per_token(config, negatives)
                 print(
                     f"{shape:<11}{f'{rows} x 20':>9}{negatives:>10}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}"
@@ -183,13 +189,7 @@ def training_kernel(args: argparse.Namespace, device: torch.device) -> None:
                         name: Trainer(config, tmp, rows, device, precision, negatives, one_node=one_node)
                         for name, one_node in (("reference", False), ("one node", True))
                     }
-                    times: dict[str, list[float]] = {name: [] for name in trainers}
-                    for trainer in trainers.values():
-                        trainer.step()
-                    for _ in range(args.steps):
-                        for name, trainer in trainers.items():
-                            times[name].append(trainer.step())
-                    tps = {name: rows * 20 / sorted(t)[len(t) // 2] for name, t in times.items()}
+                    tps = _alternate(trainers, args.steps, rows)
                     print(
                         f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}{tps['reference']:>11,.0f}"
                         f"{tps['one node']:>10,.0f}{tps['one node'] / tps['reference']:>9.2f}x"
