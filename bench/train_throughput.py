@@ -32,6 +32,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -129,6 +130,17 @@ class Trainer:
         return time.perf_counter() - start
 
 
+def _cases(args: argparse.Namespace) -> Iterator[tuple[str, str, ModelConfig, int, int]]:
+    """(corpus folder, shape, config, negatives, rows) for each shape and batch asked for, on one generated Zipfian
+    corpus."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
+        for shape in args.shapes.split(","):
+            config = bench_shape(shape).model_copy(update={"n_tokens_vocab": VOCAB})
+            for rows in (int(b) for b in args.batches.split(",")):
+                yield tmp, shape, config, NEGATIVES.get(shape, 8192), rows
+
+
 def _alternate(trainers: dict[str, Trainer], steps: int, rows: int) -> dict[str, float]:
     """Tokens/s of each trainer: one warm-up step each, then ``steps`` rounds of one step each, alternating so that
     all see the same machine; medians."""
@@ -152,21 +164,16 @@ def throughput(args: argparse.Namespace, device: torch.device) -> None:
     )
     print(header)
     print("-" * len(header))
-    with tempfile.TemporaryDirectory() as tmp:
-        write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
-        for shape in args.shapes.split(","):
-            config = bench_shape(shape).model_copy(update={"n_tokens_vocab": VOCAB})
-            negatives = NEGATIVES.get(shape, 8192)
-            for rows in (int(b) for b in args.batches.split(",")):
-                trainers = {p: Trainer(config, tmp, rows, device, p, negatives) for p in ("fp32", "bf16")}
-                tps = _alternate(trainers, args.steps, rows)
-                flops = train_flops_per_token(config, negatives)
-                print(
-                    f"{shape:<11}{f'{rows} x 20':>9}{negatives:>10}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}"
-                    f"{tps['bf16'] / tps['fp32']:>10.2f}x{flops / 1e9:>13.3f}"
-                    f"{100 * tps['fp32'] * flops / 1e9 / roofline:>15.1f}%"
-                )
-                del trainers
+    for tmp, shape, config, negatives, rows in _cases(args):
+        trainers = {p: Trainer(config, tmp, rows, device, p, negatives) for p in ("fp32", "bf16")}
+        tps = _alternate(trainers, args.steps, rows)
+        flops = train_flops_per_token(config, negatives)
+        print(
+            f"{shape:<11}{f'{rows} x 20':>9}{negatives:>10}{tps['fp32']:>12,.0f}{tps['bf16']:>12,.0f}"
+            f"{tps['bf16'] / tps['fp32']:>10.2f}x{flops / 1e9:>13.3f}"
+            f"{100 * tps['fp32'] * flops / 1e9 / roofline:>15.1f}%"
+        )
+        del trainers
     print("* nominal: the char CNN counted over all 50 positions for every token; the model runs it once per distinct")
     print("  word of a batch over the positions its longest word needs, so the nominal rate overstates the real one")
 
@@ -178,23 +185,18 @@ def training_kernel(args: argparse.Namespace, device: torch.device) -> None:
     header = f"{'shape':<11}{'batch':>9}{'precision':>10}{'reference':>11}{'one node':>10}{'speed-up':>10}"
     print(header)
     print("-" * len(header))
-    with tempfile.TemporaryDirectory() as tmp:
-        write_token_id_corpus(Path(tmp), 400_000, n_types=VOCAB - 3)
-        for shape in args.shapes.split(","):
-            config = bench_shape(shape).model_copy(update={"n_tokens_vocab": VOCAB})
-            negatives = NEGATIVES.get(shape, 8192)
-            for rows in (int(b) for b in args.batches.split(",")):
-                for precision in ("fp32", "bf16"):
-                    trainers = {
-                        name: Trainer(config, tmp, rows, device, precision, negatives, one_node=one_node)
-                        for name, one_node in (("reference", False), ("one node", True))
-                    }
-                    tps = _alternate(trainers, args.steps, rows)
-                    print(
-                        f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}{tps['reference']:>11,.0f}"
-                        f"{tps['one node']:>10,.0f}{tps['one node'] / tps['reference']:>9.2f}x"
-                    )
-                    del trainers
+    for tmp, shape, config, negatives, rows in _cases(args):
+        for precision in ("fp32", "bf16"):
+            trainers = {
+                name: Trainer(config, tmp, rows, device, precision, negatives, one_node=one_node)
+                for name, one_node in (("reference", False), ("one node", True))
+            }
+            tps = _alternate(trainers, args.steps, rows)
+            print(
+                f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}{tps['reference']:>11,.0f}"
+                f"{tps['one node']:>10,.0f}{tps['one node'] / tps['reference']:>9.2f}x"
+            )
+            del trainers
 
 
 def quality(args: argparse.Namespace) -> None:
