@@ -523,7 +523,6 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
         _restore_best(run)
-    if ddp.main:
         _start_tracking(run, tracker, n_data_tokens, sparse)
     if ddp.nodes > 1 and config.tracking == "mlflow":
         run_id, uri = _gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
@@ -695,8 +694,8 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
     checkpoint = Checkpoint(**payload)
     config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
     step, weights = checkpoint.step, checkpoint.model
-    best = load_best(source) if source.is_dir() and config.export == "best" else None
-    if best is not None and best[1]["step"] <= checkpoint.step:
+    best = _best_weights(source, config, checkpoint.step) if source.is_dir() else None
+    if best is not None:
         path, step, weights = best[0], best[1]["step"], best[1]["model"]
     vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
     bilm = BiLM(config.architecture(weights["softmax.weight"].shape[0]), vocab=vocab)
@@ -791,14 +790,22 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
     return result
 
 
+def _best_weights(out: Path, config: TrainConfig, step: int) -> tuple[Path, dict[str, Any]] | None:
+    """With ``export: best``, a run folder's best weights from no later than ``step``: what the run exports."""
+    if config.export != "best":
+        return None
+    found = load_best(out)
+    return found if found is not None and found[1]["step"] <= step else None
+
+
 def _restore_best(run: Run) -> None:
     """Rank 0 of ``export: best``: the best weights so far of the run being resumed; a run starting afresh in the
     folder forgets any from an earlier run there, and a resume from before the best step forgets it too (the same
     steps run again and find it again)."""
     if run.config.export != "best":
         return
-    found = load_best(run.out) if run.step > 0 else None
-    if found is not None and found[1]["step"] <= run.step:
+    found = _best_weights(run.out, run.config, run.step) if run.step > 0 else None
+    if found is not None:
         run.best = {"step": found[1]["step"], "perplexity": found[1]["perplexity"]}
     else:
         remove_best(run.out)
@@ -811,7 +818,7 @@ def keep_if_best(run: Run, result: dict[str, float]) -> None:
     if run.best is not None and result["perplexity"] >= run.best["perplexity"]["perplexity"]:
         return
     run.best = {"step": run.step, "perplexity": result}
-    model = {k: v.detach().cpu().clone() for k, v in run.bilm.state_dict().items()}
+    model = {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()}  # as ``save``: written before it moves
     write_best(run.out, run.step, {**run.best, "model": model})
     run.tracker.log_metrics({"best_heldout_perplexity": result["perplexity"]}, run.step)
 
@@ -823,7 +830,7 @@ def _exported(run: Run, final: dict[str, float]) -> tuple[int, dict[str, float]]
     best = run.best
     if run.config.export != "best" or best is None or best["step"] == run.step:
         return run.step, final
-    found = load_best(run.out)
+    found = _best_weights(run.out, run.config, run.step)
     if found is None or found[1]["step"] != best["step"]:
         log.warning("the best weights (step %d) are gone from %s; exporting the final ones", best["step"], run.out)
         return run.step, final

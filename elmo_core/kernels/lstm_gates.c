@@ -128,7 +128,7 @@ int elmo_lstm_gates(const elmo_gate_rows *dirs, int n_dirs, int64_t rows, int64_
     return 0;
 }
 
-/* ----- training: the same gates, differentiable (trained_gates.py wraps them in an autograd Function) -----
+/* ----- training: the same gates, differentiable (trained_step.py wraps them in autograd Functions) -----
  *
  * Forward, per row and cell, from the pre-activations z (gate order i, f, g, o) and the cell state c:
  *     c_raw = sigmoid(z_f) c + sigmoid(z_i) tanh(z_g),   c' = clip(c_raw),   m = sigmoid(z_o) tanh(c')

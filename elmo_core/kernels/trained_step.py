@@ -109,7 +109,9 @@ class _InputGates(torch.autograd.Function):
         if ctx.projects and ctx.needs_input_grad[4]:
             dp = [d if d is not None else torch.zeros(h.shape, dtype=dgx.dtype) for d, h in zip(record.dp, record.h)]
             dw_hr = torch.bmm(torch.cat(record.m, dim=1).transpose(1, 2), torch.cat(dp, dim=1))
-        record.h.clear(), record.m.clear(), record.dp.clear()  # the window's memory goes with its graph
+        record.h.clear()  # the window's memory goes with its graph
+        record.m.clear()
+        record.dp.clear()
         return dx, dbias, dw_ih, dw_hh, dw_hr, None
 
 
