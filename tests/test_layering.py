@@ -46,7 +46,7 @@ LAYERS = [
 
 # inside the subpackages, bottom up likewise
 PACKAGES = {
-    "kernels": ["cache", "packed", "fused_gates", "trained_step", "cells", "choice", "__init__"],
+    "kernels": ["cache", "packed", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
 }

@@ -3,7 +3,8 @@ calls with gradients (``choose_training``).
 
 ``BiLM.prepare(precision)`` calls ``choose`` and keeps the result; every inference call then runs what it says.
 ``BiLM.prepare_training()`` (the trainer calls it, and logs it) calls ``choose_training``: calls with gradients run
-the reference arithmetic of ``model.py``, each LSTM step one autograd node with its gates in C on a CPU where built.
+the reference arithmetic of ``model.py``; on a CPU where the C loops build, each LSTM step is one autograd node with
+its gates in C, and the char CNN's backward is sparse at each max's position.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from elmo_core.config import LstmConfig
-from elmo_core.kernels import fused_gates, packed, trained_step
+from elmo_core.kernels import char_cnn, fused_gates, packed, trained_step
 from elmo_core.kernels.cache import WeightCache
 from elmo_core.kernels.cells import CpuCell
 from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, resolve_precision
@@ -116,11 +117,14 @@ def choose(
 class TrainingKernels:
     """What runs a model's calls with gradients on one device: ``model.LstmCell`` (the reference products, under
     the run's autocast); with ``one_node`` each step one autograd node, its gate arithmetic in C forward and
-    backward (``trained_step``); ``note`` says why not where it is off."""
+    backward (``trained_step``). ``sparse_char_cnn``: each char CNN width's convolution and max is one node whose
+    backward reaches only the max's position, in C (``char_cnn``). The notes say why not where one is off."""
 
     device: str
     one_node: bool
     note: str = ""
+    sparse_char_cnn: bool = False
+    char_cnn_note: str = ""
 
     def __str__(self) -> str:
         how = (
@@ -128,20 +132,34 @@ class TrainingKernels:
             if self.one_node
             else f"PyTorch ops {self.note}"
         )
-        return f"training on {self.device}: the reference LSTM cell (PyTorch products, autocast), {how}"
+        cnn = (
+            "oneDNN's convolution, its backward in C at each max's position only"
+            if self.sparse_char_cnn
+            else f"oneDNN's convolution and its dense backward {self.char_cnn_note}"
+        )
+        return (
+            f"training on {self.device}: the reference LSTM cell (PyTorch products, autocast), {how}; char CNN: {cnn}"
+        )
 
     def runs_on(self, device: torch.device) -> bool:
         return device.type == self.device
 
 
-def choose_training(device: torch.device, *, one_node: bool | None = None) -> TrainingKernels:
-    """On the CPU one node per step with the C gates, where they build (``ELMO_NO_FUSED_GATES=1`` turns them off,
-    ``one_node`` forces the choice); on CUDA the reference, whose launches run asynchronously ahead of the GPU."""
+def choose_training(
+    device: torch.device, *, one_node: bool | None = None, sparse_char_cnn: bool | None = None
+) -> TrainingKernels:
+    """On the CPU one node per LSTM step with the C gates and the char CNN's sparse backward, where the C loops
+    build (``ELMO_NO_FUSED_GATES=1`` turns them off; ``one_node`` and ``sparse_char_cnn`` force either off); on
+    CUDA the reference, whose launches run asynchronously ahead of the GPU."""
     if device.type != "cpu":
-        return TrainingKernels(device.type, False, "(not a CPU)")
-    if one_node is False:
-        return TrainingKernels(device.type, False, "(not chosen)")
-    return TrainingKernels(device.type, trained_step.available(), f"(the C loops: {trained_step.describe()})")
+        return TrainingKernels(device.type, False, "(not a CPU)", False, "(not a CPU)")
+    steps, steps_note = False, "(not chosen)"
+    if one_node is not False:
+        steps, steps_note = trained_step.available(), f"(the C loops: {trained_step.describe()})"
+    cnn, cnn_note = False, "(not chosen)"
+    if sparse_char_cnn is not False:
+        cnn, cnn_note = char_cnn.available(), f"(the C backward: {char_cnn.describe()})"
+    return TrainingKernels(device.type, steps, steps_note, cnn, cnn_note)
 
 
 def _describe_packing(lstm: LstmConfig, min_packed: int | None) -> str:

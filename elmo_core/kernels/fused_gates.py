@@ -5,9 +5,10 @@ over the (2, rows, 4H) pre-activations: the bias or input-gate add, a float32 co
 tanh, slices, products, clamp and casts, about 20% of an original-shape bf16 call. The C loop reads each element
 once and writes the cell state and the cell output (already in the dtype the projection takes).
 
-The source is compiled with the machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this
-CPU (``-march=native``), into ``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a name that hashes the
-source, the flags, the compiler and the CPU; later processes load the built library. Without a C compiler, or with
+The sources (``lstm_gates.c``, and ``char_cnn.c`` for training's char CNN) are compiled into one library with the
+machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this CPU (``-march=native``), into
+``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a name that hashes the sources, the flags, the
+compiler and the CPU; later processes load the built library. Without a C compiler, or with
 ``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says which, and why).
 """
 
@@ -30,7 +31,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("lstm_gates.c")
+# one library: the LSTM gates (inference and training) and the char CNN's training backward (``char_cnn.py``)
+SOURCES = [Path(__file__).with_name(name) for name in ("lstm_gates.c", "char_cnn.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]
 PARALLEL_ELEMENTS = 1 << 15  # below this many cells per step, more threads cost more than they save
 
@@ -69,7 +71,7 @@ def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU: built once, then reused from the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode()
+        "\0".join([*(source.read_text() for source in SOURCES), " ".join(FLAGS), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
     try:
@@ -87,7 +89,7 @@ def _build(compiler: str) -> Path:
         fallbacks.append([f for f in fallbacks[1] if f != "-march=native"])  # a compiler that cannot target "native"
         for flags in fallbacks:
             result = subprocess.run(
-                [compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True, timeout=120
+                [compiler, *flags, "-o", partial, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
             )
             if result.returncode == 0:
                 break
@@ -97,7 +99,7 @@ def _build(compiler: str) -> Path:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    log.info("built the fused LSTM gate kernel: %s", library)
+    log.info("built the C kernels (LSTM gates, char CNN backward): %s", library)
     return library
 
 
