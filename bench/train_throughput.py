@@ -16,8 +16,9 @@ for the forward with float32 master weights, optimizer state, LSTM cell and soft
 Main job (``--main-job``): ``train.step`` with the main job's defaults against its recipe before bench/cpu_recipe.py,
 on this code. ``--against REV``: the main job's training as a user runs it, this checkout against the code at git
 revision REV (each with its own defaults then), on the same data: one worker process per tree, stepping in
-alternating rounds. ``--training-kernel`` (instead of the precision table): whole training steps with the reference LSTM
-cell against one autograd node per step (``elmo_core/kernels/trained_step.py``), same model and batches, alternating.
+alternating rounds. ``--training-kernel`` (instead of the precision table): whole training steps with the reference
+against the training kernels, one autograd node per LSTM step (``elmo_core/kernels/trained_step.py``) and then the
+char CNN's sparse backward too (``elmo_core/kernels/char_cnn.py``), same model and batches, alternating.
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
 ``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """
@@ -94,13 +95,13 @@ class Trainer:
         device: torch.device,
         precision: str,
         negatives: int,
-        one_node: bool | None = None,
+        kernels: dict[str, bool] | None = None,
     ) -> None:
         torch.manual_seed(0)
         self.bilm = BiLM(config)
         init_bilm_tf(self.bilm)
         self.bilm.to(device).train()
-        self.bilm.prepare_training(one_node=one_node)  # None: what train.setup chooses (one node per step on a CPU)
+        self.bilm.prepare_training(**(kernels or {}))  # none forced: what train.setup chooses
         self.device, self.precision = device, precision
         self.objective = LMObjective(self.bilm, 0.1, sparse=device.type == "cpu")
         self.params = [p for p in self.bilm.parameters() if p.requires_grad]
@@ -179,22 +180,29 @@ def throughput(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def training_kernel(args: argparse.Namespace, device: torch.device) -> None:
-    """Whole training steps with the reference LSTM cell against one node per step (``kernels/trained_step.py``),
-    alternating, same model, data and precision."""
-    print("\ntraining steps, the reference LSTM cell against one node per step with the gates in C (tok/s)")
-    header = f"{'shape':<11}{'batch':>9}{'precision':>10}{'reference':>11}{'one node':>10}{'speed-up':>10}"
-    print(header)
-    print("-" * len(header))
+    """Whole training steps with the reference against the training kernels (``kernels/trained_step.py``, then also
+    ``kernels/char_cnn.py``: what training chooses on a CPU), alternating, same model, data and precision."""
+    print("\ntraining steps (tok/s): the reference; each LSTM step one node with the gates in C; and the char CNN's")
+    print("sparse backward too (training's choice)")
+    variants = {
+        "reference": {"one_node": False, "sparse_char_cnn": False},
+        "one node": {"one_node": True, "sparse_char_cnn": False},
+        "+ char CNN": {"one_node": True, "sparse_char_cnn": True},
+    }
+    header = f"{'shape':<11}{'batch':>9}{'precision':>10}" + "".join(f"{name:>12}" for name in variants)
+    print(header + f"{'speed-up':>10}")
+    print("-" * (len(header) + 10))
     for tmp, shape, config, negatives, rows in _cases(args):
         for precision in ("fp32", "bf16"):
             trainers = {
-                name: Trainer(config, tmp, rows, device, precision, negatives, one_node=one_node)
-                for name, one_node in (("reference", False), ("one node", True))
+                name: Trainer(config, tmp, rows, device, precision, negatives, kernels=kernels)
+                for name, kernels in variants.items()
             }
             tps = _alternate(trainers, args.steps, rows)
             print(
-                f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}{tps['reference']:>11,.0f}"
-                f"{tps['one node']:>10,.0f}{tps['one node'] / tps['reference']:>9.2f}x"
+                f"{shape:<11}{f'{rows} x 20':>9}{precision:>10}"
+                + "".join(f"{tps[name]:>12,.0f}" for name in variants)
+                + f"{tps['+ char CNN'] / tps['reference']:>9.2f}x"
             )
             del trainers
 
@@ -334,7 +342,7 @@ def main() -> None:
     parser.add_argument("--main-job-rounds", type=int, default=7)
     parser.add_argument("--against", metavar="REV", help="also the main job's training against the code at git REV")
     parser.add_argument(
-        "--training-kernel", action="store_true", help="also whole steps: the reference LSTM cell vs one node per step"
+        "--training-kernel", action="store_true", help="whole steps: the reference against the training kernels"
     )
     parser.add_argument("--quality-steps", type=int, default=600)
     args = parser.parse_args()

@@ -12,7 +12,7 @@ import torch
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.chars import tokens_to_char_array
 from elmo_core.config import CharCNNConfig, CharEmbeddingConfig, tiny
-from elmo_core.kernels import char_cnn, choose_training, fused_gates
+from elmo_core.kernels import char_cnn, choose_training
 from elmo_core.model import CharCNN
 
 # a one-letter word (windows in padding win), repeated letters (equal values inside the word), the longest word
@@ -103,19 +103,14 @@ def test_the_training_call_runs_it_and_inference_does_not(monkeypatch):
     assert not calls
 
 
-def test_chosen_once_and_off_where_it_does_not_apply(monkeypatch):
+def test_chosen_once_and_off_where_it_does_not_apply():
     chosen = choose_training(torch.device("cpu"), sparse_char_cnn=False)
     assert not chosen.sparse_char_cnn and "dense backward (not chosen)" in str(chosen)
     assert not choose_training(torch.device("cuda")).sparse_char_cnn
     with pytest.raises(ValueError, match="runs on the CPU"):
         char_cnn.conv_max(torch.zeros(1, 2, 1, 3, device="meta"), torch.zeros(1, 3, dtype=torch.long), *[None] * 3)
-    monkeypatch.setenv("ELMO_NO_FUSED_GATES", "1")
-    fused_gates._library.cache_clear()
-    char_cnn._function.cache_clear()
-    try:
-        chosen = choose_training(torch.device("cpu"))
-        assert not chosen.sparse_char_cnn and "ELMO_NO_FUSED_GATES=1" in str(chosen)
-    finally:
-        monkeypatch.delenv("ELMO_NO_FUSED_GATES")
-        fused_gates._library.cache_clear()
-        char_cnn._function.cache_clear()
+
+
+def test_off_with_elmo_no_fused_gates(c_kernels_off):
+    chosen = choose_training(torch.device("cpu"))
+    assert not chosen.sparse_char_cnn and "ELMO_NO_FUSED_GATES=1" in str(chosen)

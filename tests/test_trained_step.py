@@ -11,7 +11,7 @@ from torch import nn
 
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
-from elmo_core.kernels import choose_training, fused_gates, trained_step
+from elmo_core.kernels import choose_training, trained_step
 from elmo_core.model import LstmCell, _recurrence, init_bilm_tf
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
@@ -154,20 +154,15 @@ def test_the_model_s_gradients_are_the_reference_s(precision, monkeypatch):
     assert not calls  # calls without gradients are inference's: its own kernels or the reference
 
 
-def test_chosen_once_and_off_where_it_does_not_apply(monkeypatch):
+def test_chosen_once_and_off_where_it_does_not_apply():
     assert not choose_training(torch.device("cpu"), one_node=False).one_node
     assert "PyTorch ops (not chosen)" in str(choose_training(torch.device("cpu"), one_node=False))
     assert not choose_training(torch.device("cuda")).one_node  # CUDA's launches run ahead of the GPU
-    monkeypatch.setenv("ELMO_NO_FUSED_GATES", "1")
-    fused_gates._library.cache_clear()
-    trained_step._functions.cache_clear()
-    try:
-        chosen = choose_training(torch.device("cpu"))
-        assert not chosen.one_node and "ELMO_NO_FUSED_GATES=1" in str(chosen)
-        bilm = _model()
-        bilm.prepare_training()
-        assert _gradients(bilm, "fp32")  # the reference runs
-    finally:
-        monkeypatch.delenv("ELMO_NO_FUSED_GATES")
-        fused_gates._library.cache_clear()
-        trained_step._functions.cache_clear()
+
+
+def test_off_with_elmo_no_fused_gates_and_the_reference_runs(c_kernels_off):
+    chosen = choose_training(torch.device("cpu"))
+    assert not chosen.one_node and "ELMO_NO_FUSED_GATES=1" in str(chosen)
+    bilm = _model()
+    bilm.prepare_training()
+    assert _gradients(bilm, "fp32")  # the reference runs
