@@ -53,6 +53,9 @@ TODAY: dict[str, Any] = {
 RECIPES: dict[str, dict[str, Any]] = {
     "today-fp32": {**TODAY, "precision": "fp32"},
     "today-bf16": {**TODAY, "precision": "bf16"},
+    # a second seed (model init, data order, sampler) of both: how far one run's point moves by chance
+    "today-fp32-seed1": {**TODAY, "precision": "fp32", "seed": 1},
+    "today-bf16-seed1": {**TODAY, "precision": "bf16", "seed": 1},
     "b64": {**TODAY, "precision": "bf16", "batch_size": 64},
     "neg2k": {**TODAY, "precision": "bf16", "n_negative_samples_batch": 2048},
     "drop3": {**TODAY, "precision": "bf16", "dropout": 0.3},

@@ -16,7 +16,7 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     weights    bilm-tf / AllenNLP weights.hdf5 ⇄ state dict (given a config; never builds a model)
     inference  running a biLM over many sentences: batches, the token cache, the stateful carry, the one loop
     kernels/   the CPU's speed kernels, of inference and of training, and the choice of them (cache, packed,
-               fused_gates + lstm_gates.c, trained_step, cells, choice)
+               fused_gates + lstm_gates.c, trained_step, char_cnn + char_cnn.c, cells, choice)
     model      char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix (one forward path)
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
     checkpoint training checkpoints (and the best weights) with their SHA-256, verified before use

@@ -9,6 +9,8 @@ arithmetic; this package holds what makes its inference and its training fast on
     packed       weights packed once into oneDNN's layout for the small per-step products
     fused_gates  the gate arithmetic of a step as one C loop (``lstm_gates.c``), built on first use
     trained_step  a training step of an LSTM layer as one autograd node: PyTorch's products, the gates in C
+    char_cnn     the char CNN's convolution and max in training, its backward in C at each max's position only
+                 (``char_cnn.c``, built into the same library)
 
 Every kernel computes the reference's numbers: fp32 to float rounding (tests hold 1e-5), bf16 to a cosine of
 0.999 on real text (``tests/test_precision.py``).
