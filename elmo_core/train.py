@@ -7,8 +7,9 @@
 * The gradient is taken of ``loss × unroll_steps`` and clipped to a global norm, then Adagrad (lr 0.2, initial
   accumulator 1.0) steps: bilm-tf's recipe. AdamW is an option.
 * ``precision: bf16`` autocasts the forward (CPU or CUDA); master weights, optimizer state, the LSTM cell and
-  the softmax with its loss stay float32. On a CPU each LSTM step is one autograd node with its gates in C
-  (``BiLM.prepare_training``, ``kernels.trained_step``), chosen once and logged.
+  the softmax with its loss stay float32. On a CPU each LSTM step is one autograd node with its gates in C, and
+  the char CNN's backward reaches each max's position only (``BiLM.prepare_training``, ``kernels.trained_step``,
+  ``kernels.char_cnn``), chosen once and logged.
 * A checkpoint (``checkpoint.py``) holds everything in ``Checkpoint``: an exact resume continues the same
   batches, samples and dropout masks. Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
 

@@ -437,6 +437,7 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     assert run.data.params["data.precision"] in ("fp32", "bf16")  # auto: bf16 where the CPU computes it natively
     assert run.data.params["data.precision_reason"].startswith("auto: the CPU has")
     assert run.data.params["data.kernels"].startswith("training on cpu: the reference LSTM cell")  # chosen, logged
+    assert "char CNN: oneDNN's convolution" in run.data.params["data.kernels"]
     history = client.get_metric_history(result.run_id, "loss")
     assert [m.step for m in history] == list(range(5, 41, 5))
     assert {"perplexity_forward", "perplexity_backward", "tokens_per_s", "learning_rate", "grad_norm"} <= set(
