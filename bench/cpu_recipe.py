@@ -211,15 +211,21 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.2), squeeze=False)
+    colours = plt.get_cmap("tab20").colors
     for ax, corpus in zip(axes[0], corpora):
-        for recipe in recipes:
+        lowest = float("inf")
+        for k, recipe in enumerate(recipes):
             points = sorted(_points(out, corpus, recipe).values(), key=lambda p: p["cpu_minutes"])
             if points:
-                ax.plot([p["cpu_minutes"] for p in points], [p["perplexity"] for p in points], marker="o", label=recipe)
+                values = [p["perplexity"] for p in points]
+                lowest = min(lowest, *values)
+                ax.plot([p["cpu_minutes"] for p in points], values, marker="o", label=recipe, color=colours[k % 20])
         ax.set_title(f"{corpus}: heldout perplexity, mini model, 1 thread")
         ax.set_xlabel("CPU-minutes")
-        ax.set_ylabel("heldout perplexity")
+        ax.set_ylabel("heldout perplexity (above 10x the lowest: off the scale)")
         ax.set_yscale("log")
+        if lowest < float("inf"):  # a diverging run or an early spike would flatten every other curve
+            ax.set_ylim(top=10 * lowest)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
