@@ -92,16 +92,16 @@ class CharCNN(nn.Module):
             table = self.char_embedding.weight
             x = nn.functional.embedding(char_ids, table.detach()).transpose(1, 2).unsqueeze(2)  # conv_max's gradient
             pooled = [conv_max(x, char_ids, table, conv.weight, conv.bias) for conv in self.convs]
-            return torch.cat([self.activation(p) for p in pooled], dim=-1)
-        x = self.char_embedding(char_ids).transpose(1, 2).unsqueeze(2)
-        convolved = (nn.functional.conv2d(x, conv.weight.unsqueeze(2), conv.bias) for conv in self.convs)
-        # bias is inside the max; the activation is monotone, so it commutes with the max. Same values either way:
-        # with gradients max pooling (its backward scatters to the argmax) is faster than amax (an equality mask
-        # over every position); without, amax is.
-        if torch.is_grad_enabled():
-            pooled = [nn.functional.max_pool2d(y, (1, y.shape[-1])).flatten(1) for y in convolved]
         else:
-            pooled = [y.amax(dim=(-2, -1)) for y in convolved]
+            x = self.char_embedding(char_ids).transpose(1, 2).unsqueeze(2)
+            convolved = (nn.functional.conv2d(x, conv.weight.unsqueeze(2), conv.bias) for conv in self.convs)
+            # bias is inside the max; the activation is monotone, so it commutes with the max. Same values either
+            # way: with gradients max pooling (its backward scatters to the argmax) is faster than amax (an equality
+            # mask over every position); without, amax is.
+            if torch.is_grad_enabled():
+                pooled = [nn.functional.max_pool2d(y, (1, y.shape[-1])).flatten(1) for y in convolved]
+            else:
+                pooled = [y.amax(dim=(-2, -1)) for y in convolved]
         return torch.cat([self.activation(p) for p in pooled], dim=-1)
 
 
@@ -538,10 +538,17 @@ class BiLM(nn.Module):
         self.training_kernels = choose_training(self.device, **choices)
         return self.training_kernels
 
+    def _training_kernels_for_call(self) -> TrainingKernels | None:
+        """The training kernels where they apply to this call: chosen, on this device, and with gradients."""
+        chosen = self.training_kernels
+        if chosen is None or not torch.is_grad_enabled() or not chosen.runs_on(self.device):
+            return None
+        return chosen
+
     def _gradient_cell(self) -> Callable[[Sequence[nn.LSTM], Clips], Cell]:
         """The cell of a call with gradients (or of any call the inference kernels do not run)."""
-        chosen = self.training_kernels
-        if chosen is not None and chosen.one_node and chosen.runs_on(self.device) and torch.is_grad_enabled():
+        chosen = self._training_kernels_for_call()
+        if chosen is not None and chosen.one_node:
             return functools.partial(LstmCell, one_node=True)
         return LstmCell
 
@@ -586,10 +593,8 @@ class BiLM(nn.Module):
     def _encode(self, char_ids: Tensor, kernels: Kernels | None) -> Tensor:
         if kernels is not None:
             return kernels.token_encoder(self.token_encoder)(char_ids)
-        chosen = self.training_kernels
-        if chosen is not None and chosen.sparse_char_cnn and chosen.runs_on(self.device) and torch.is_grad_enabled():
-            return self.token_encoder(char_ids, conv_max)
-        return self.token_encoder(char_ids)
+        chosen = self._training_kernels_for_call()
+        return self.token_encoder(char_ids, conv_max if chosen is not None and chosen.sparse_char_cnn else None)
 
     def _distinct_chars(self, flat: Tensor, kernels: Kernels | None) -> tuple[Tensor, Tensor]:
         """(N, C) char ids ─► table (U + 1, P) of the distinct words' embeddings (last row zero) and index (N,)."""
