@@ -31,14 +31,19 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     allennlp/  the drop-in for AllenNLP's ELMo: Elmo, ElmoEmbedder, their state-dict keys, install()
     cli        the ``elmo`` command, its flags generated from ``options``
 
-Plumbing below all of them: ``errors`` (one-line user errors), ``fileio`` (atomic writes, digests),
+Plumbing below all of them: ``errors`` (one-line user errors), ``cpu`` (what this CPU can do, and the
+``ELMO_CPU_ISA=avx2`` override, applied here before torch is imported), ``fileio`` (atomic writes, digests),
 ``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device, fp32 or bf16).
 ``tests/test_layering.py`` keeps every import pointing down this list. Importing the package (``BiLM``,
 ``batch_to_ids``) loads neither DuckDB, pyarrow, Prefect nor MLflow.
 """
 
-from elmo_core.chars import batch_to_ids
-from elmo_core.config import ModelConfig
-from elmo_core.model import BiLM, ScalarMix
+from elmo_core import cpu
+
+cpu.limit_torch()  # before anything imports torch: ELMO_CPU_ISA=avx2 holds torch's own kernels to AVX2 too
+
+from elmo_core.chars import batch_to_ids  # noqa: E402
+from elmo_core.config import ModelConfig  # noqa: E402
+from elmo_core.model import BiLM, ScalarMix  # noqa: E402
 
 __all__ = ["BiLM", "ModelConfig", "ScalarMix", "batch_to_ids"]

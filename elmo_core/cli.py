@@ -115,7 +115,10 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], position
         else:
             options.update(type=_scalar(kind, nullable), metavar=_METAVARS.get(kind, "VALUE"))
         if name in positional:
-            options.pop("default")
+            if field.is_required():
+                options.pop("default")
+            else:  # an optional positional (``elmo info [MODEL]``): absent, the model's default holds
+                options["nargs"] = "?"
             parser.add_argument(name, **options)
         else:
             flags = [_flag(name), "-" + name] if len(name) == 1 else [_flag(name)]  # -k as well as --k
@@ -206,6 +209,27 @@ def cmd_demo(config: DemoConfig) -> None:
 
 
 def cmd_info(config: InfoConfig) -> None:
+    """This machine (the CPU, what torch dispatches to, the precisions and kernels it offers), then the model."""
+    import torch
+
+    from elmo_core import cpu
+    from elmo_core.config import preset
+    from elmo_core.kernels import choice, fused_gates, packed
+    from elmo_core.precision import choose_precision
+
+    print(cpu.describe())
+    auto, why = choose_precision("auto", "cpu")
+    offered = choice.offered_precisions("cpu")
+    refused = "" if "bf16" in offered else " (bf16 refused here: no bfloat16 instructions, so it would be emulated)"
+    print(f"precisions on the CPU: {', '.join(offered)}; auto is {auto} ({why}){refused}")
+    for dtype in (torch.float32, torch.bfloat16):
+        works, why_not = packed.packing(dtype)
+        print(f"oneDNN packed products in {str(dtype).removeprefix('torch.')}: {'yes' if works else f'no ({why_not})'}")
+    print(f"C kernels (LSTM gates, char CNN backward): {fused_gates.describe()}")
+    if config.model is None:
+        print(f"kernels of the original shape: {choice.choose(torch.device('cpu'), auto, preset('original').lstm)}")
+        return
+
     from elmo_core import BiLM
     from elmo_core.tracking import resolve_model_dir
 
@@ -221,6 +245,8 @@ def cmd_info(config: InfoConfig) -> None:
         f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
         f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}"
     )
+    for precision in offered:
+        print(f"kernels: {bilm.prepare(precision)}")
 
 
 def cmd_ingest(config: IngestConfig) -> None:
@@ -493,8 +519,8 @@ COMMANDS: dict[str, Command] = {
         options=InfoConfig,
         handler=cmd_info,
         positional=("model",),
-        help="describe a model directory",
-        description="Example: elmo info data/export",
+        help="what this machine runs (CPU, precisions, kernels) and, given one, a model directory",
+        description="Example: elmo info data/export  (without a model: the machine alone)",
     ),
     "allennlp-elmo": Command(
         options=AllennlpElmoConfig,

@@ -45,7 +45,7 @@ from elmo_core.inference import StateCarry, consecutive_batches, length_batches,
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.model import BiLM, ScalarMix
 from elmo_core.options import EmbedConfig, IngestConfig
-from elmo_core.precision import onednn_verbose, pick_device
+from elmo_core.precision import onednn_verbose, pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.weights import OPTIONS_NAME, resolve_model_files
@@ -109,7 +109,9 @@ def work_dir(out: Path) -> Path:
 
 def job_lock(config: EmbedConfig) -> FolderLock:
     """The lock a job on ``config.out`` holds from ``prepare`` to ``finish`` (``with job_lock(config): ...``):
-    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``)."""
+    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``). A precision the
+    device would only emulate (bf16 on a CPU without it) is refused first, before the folder is touched."""
+    resolve_precision(config.precision, pick_device(config.device))
     out = Path(config.out)
     return FolderLock(work_dir(out) / LOCK_NAME, out, wait=config.wait)
 

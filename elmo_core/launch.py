@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from elmo_core import cpu
 from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
@@ -72,7 +73,7 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
         text=True,
         start_new_session=True,  # its own process group, which the stage ends as a whole
         preexec_fn=_die_with_parent,
-        env={**os.environ, "ELMO_RESULT_FILE": str(folder / RESULT_FILE)},
+        env={**os.environ, **_cpu_share(config, per_node), "ELMO_RESULT_FILE": str(folder / RESULT_FILE)},
     )
     lines: list[str] = []
     relay = ProgressRelay()
@@ -126,6 +127,13 @@ class ProgressRelay:
         for progress in self.running.values():
             progress.close()
         self.running.clear()
+
+
+def _cpu_share(config: TrainConfig, per_node: int) -> dict[str, str]:
+    """CPU ranks split this machine's cores (``cpu.worker_env``): each gets cores / ranks torch threads, where
+    torchrun alone would give each one thread, and torch alone each every core."""
+    on_gpu = config.device != "cpu" and torch.cuda.is_available()
+    return {} if on_gpu else cpu.worker_env(per_node)
 
 
 def _command(config: TrainConfig, per_node: int, config_file: Path, logs: Path) -> list[str]:

@@ -347,7 +347,9 @@ class QueryConfig(Options):
 
 
 class InfoConfig(Options):
-    model: str = Field(description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI")
+    model: str | None = Field(
+        None, description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI"
+    )
 
 
 class AllennlpElmoConfig(Options):

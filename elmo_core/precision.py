@@ -4,8 +4,13 @@ matmuls with float32 state.
 ``bf16`` runs the char CNN, highway, projection, the LSTM input and recurrent matmuls (and the softmax where
 used) in bfloat16 under ``torch.autocast``; accumulation happens in float32 inside the kernels, and the LSTM
 cell state, the gate arithmetic and the loss stay float32 (``model.LstmCell`` casts the gates up).
-CPUs without native bf16 instructions still run it, more slowly; ``ELMO_ASSUME_NO_BF16=1`` makes this
-module report such a CPU (how the tests exercise that path on machines that have bf16).
+
+On a CPU without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake, Arm without bf16) oneDNN emulates
+bf16, and a run is not slower but unusable: the small shape embedded at 25 tokens/s against 1,600 in fp32 on an
+AVX2-only EPYC. So ``bf16`` is refused there in one line that gives the slowdown measured on that CPU (one product
+timed both ways), and ``auto`` takes fp32; ``ELMO_ALLOW_EMULATED_BF16=1`` runs it anyway (to check a bf16 config on
+a laptop before a GPU run), with that line as a warning. ``cpu.py``'s ``ELMO_CPU_ISA=avx2`` makes a CPU with bf16
+behave as one without (how the tests and CI exercise this path anywhere).
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 from functools import lru_cache
 
 import torch
+
+from elmo_core import cpu
+from elmo_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +43,51 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-@lru_cache(maxsize=1)
 def cpu_capability() -> str:
     """What torch's CPU kernels were dispatched for (e.g. AVX512, AVX2, DEFAULT)."""
-    try:
-        return str(torch.backends.cpu.get_cpu_capability())
-    except Exception:  # older builds
-        return "unknown"
+    return cpu.torch_capability()
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bfloat16 dot-product instructions (avx512_bf16, AMX or ARM bf16)."""
-    if os.environ.get("ELMO_ASSUME_NO_BF16") == "1":
+    """True when the CPU has bfloat16 dot-product instructions (avx512_bf16, AMX, AVX-NE-CONVERT, Arm's bf16) and
+    oneDNN uses them (``ONEDNN_MAX_CPU_ISA`` can hold it below them). False under ``ELMO_CPU_ISA=avx2``."""
+    if not cpu.facts().bf16_instructions:
         return False
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PrecisionError(ConfigError):
+    """A precision this device cannot run usefully (bf16 on a CPU that emulates it)."""
+
+
+ALLOW_EMULATED_BF16 = "ELMO_ALLOW_EMULATED_BF16"
+
+
+@lru_cache(maxsize=1)
+def emulated_bf16_slowdown() -> float:
+    """How many times slower a bf16 product runs than the same fp32 one on this CPU: a (64 x 512) @ (512 x 4096)
+    product, the small shape's LSTM step, timed both ways (best of 3, about 10 ms where bf16 is native)."""
+    x, w = torch.randn(64, 512), torch.randn(512, 4096)
+
+    def best(a: torch.Tensor, b: torch.Tensor) -> float:
+        torch.mm(a, b)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(x.bfloat16(), w.bfloat16()) / max(best(x, w), 1e-9)
+
+
+def _emulated_bf16_line() -> str:
+    return (
+        f"precision bf16: this CPU has no bfloat16 instructions ({cpu.facts().line()}; torch CPU kernels "
+        f"{cpu_capability()}), so bf16 is emulated: a bf16 product measured {emulated_bf16_slowdown():.1f}x the time "
+        f"of the same fp32 one here, and a whole embedding 30-60x; use precision fp32 (what auto chooses here), or "
+        f"set {ALLOW_EMULATED_BF16}=1 to run bf16 anyway"
+    )
 
 
 _warned: set[str] = set()
@@ -79,20 +119,20 @@ def choose_precision(precision: str, device: torch.device | str) -> tuple[str, s
 
 
 def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """``auto`` → bf16 where ``device`` computes it natively, else fp32 (``choose_precision``); warns once when
-    bf16 is asked for on a CPU that will emulate it."""
+    """``auto`` → bf16 where ``device`` computes it natively, else fp32 (``choose_precision``). bf16 asked for on a
+    CPU that would emulate it is refused (``PrecisionError``, one line with the measured slowdown), or run with that
+    line as a warning, once, under ``ELMO_ALLOW_EMULATED_BF16=1``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     device_type = torch.device(device).type
     if precision == "auto":
         return choose_precision(precision, device)[0]
-    if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16() and "cpu" not in _warned:
-        _warned.add("cpu")
-        log.warning(
-            "this CPU has no native bfloat16 instructions (torch CPU capability %s): bf16 works but runs "
-            "slower than fp32 here; use --precision fp32",
-            cpu_capability(),
-        )
+    if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
+        if os.environ.get(ALLOW_EMULATED_BF16) != "1":
+            raise PrecisionError(_emulated_bf16_line())
+        if "cpu" not in _warned:
+            _warned.add("cpu")
+            log.warning("%s (running it: %s=1)", _emulated_bf16_line(), ALLOW_EMULATED_BF16)
     return precision
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from elmo_core import cpu
 from elmo_core.batches import LMBatcher
 from elmo_core.chars import model_ids
 from elmo_core.checkpoint import (
@@ -453,6 +454,9 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     torch.manual_seed(config.seed)
     device = pick_device(config.device)
     ddp = _init_distributed(device)
+    share = cpu.apply_thread_share()  # a launched CPU rank: its share of the machine's cores (launch.py)
+    if share and ddp.main:
+        log.info("%s (each of the %d ranks on this machine has as many)", share, ddp.world // ddp.nodes)
     if device.type == "cuda" and device.index is None:  # a bare "cuda" under torchrun: this process's GPU
         device = torch.device("cuda", ddp.local_rank)
     if device.type == "cuda":

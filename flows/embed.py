@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import as_completed
@@ -23,10 +24,12 @@ from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
+from elmo_core import cpu
 from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, job_lock, prepare
 from flows.common import progress_over, retry_unless_user_error, run_main, stage
 
 _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
+WORKER_KEYS = ("pid", "threads")  # what a unit's result says of the process that ran it
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
@@ -48,8 +51,12 @@ def embed_unit(config: EmbedConfig, model_dir: str, model_id: str, target: str, 
     """One unit in, one Parquet file out (skipped if already written)."""
     key = config.model_dump_json() + model_id
     if key not in _EMBEDDERS:
+        share = cpu.apply_thread_share()  # a local cluster's worker: its share of the cores, not all of them
+        if share:
+            get_run_logger().info(share)
         _EMBEDDERS[key] = Embedder(config, Path(model_dir), model_id)
-    return {**asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(target))), "pid": os.getpid()}
+    result = asdict(_EMBEDDERS[key].embed_unit(Unit(**unit), Path(target)))
+    return {**result, "pid": os.getpid(), "threads": torch.get_num_threads()}
 
 
 @task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
@@ -66,7 +73,8 @@ def finish_embedding(
         Path(config.out),
         Path(prepared["work"]),
     )
-    summary = finish(job, [UnitResult(**{k: v for k, v in r.items() if k != "pid"}) for r in results], seconds)
+    units = [UnitResult(**{k: v for k, v in r.items() if k not in WORKER_KEYS}) for r in results]
+    summary = finish(job, units, seconds)
     out = Path(config.out).resolve()
     column = "elmo" if config.layers == "mix" else "layer_1"
     query = (
@@ -92,6 +100,7 @@ def finish_embedding(
         "query": query,
         "line": summary.line(),
         "worker_processes": len({r["pid"] for r in results}),
+        "worker_threads": sorted({r["threads"] for r in results}),  # torch threads per worker process
     }
 
 
@@ -124,7 +133,8 @@ def embed_flow(config: EmbedConfig) -> dict[str, Any]:
 def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int = 2) -> dict[str, Any]:
     """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one.
 
-    A local cluster's workers are processes started for the job; without a Prefect API configured, one temporary
+    A local cluster's workers are processes started for the job, each with its share of the cores as torch threads
+    (logged by its first unit); without a Prefect API configured, one temporary
     Prefect server serves the flow and all of them (not one each) and stops with the job. A unit of a worker that
     dies is redone elsewhere (units are idempotent: unique temporary names, a finished unit is skipped).
     """
@@ -138,11 +148,10 @@ def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int 
             "run_on_dask was called while a Dask worker process was starting: Dask's local workers re-run the "
             'script that starts them, so put the call under `if __name__ == "__main__":`'
         )
-    runner = (
-        DaskTaskRunner(address=address)
-        if address
-        else DaskTaskRunner(cluster_kwargs={"n_workers": n_workers, "threads_per_worker": 1, "processes": True})
-    )
+    # each local worker gets cores / n_workers torch threads (cpu.worker_env): torch in every worker taking every
+    # core oversubscribes the machine
+    cluster = {"n_workers": n_workers, "threads_per_worker": 1, "processes": True, "env": cpu.worker_env(n_workers)}
+    runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster)
     if address or PREFECT_API_URL.value():
         return embed_flow.with_options(task_runner=runner)(config)
     return _with_one_server(lambda: embed_flow.with_options(task_runner=runner)(config))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import elmo_core  # noqa: F401  (first, before torch: ELMO_CPU_ISA=avx2 then holds torch's own kernels to AVX2)
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 

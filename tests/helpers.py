@@ -1,5 +1,6 @@
-"""What several test modules share beyond fixtures: running the ``elmo`` command as a user runs it, and comparing
-two runs of the model that should give the same vectors."""
+"""What several test modules share beyond fixtures: running the ``elmo`` command as a user runs it, comparing
+two runs of the model that should give the same vectors, and the marks of tests that need a capability of the CPU
+(probed as ``tests/test_gpu.py`` probes CUDA, so that an AVX2-only machine, or ``ELMO_CPU_ISA=avx2``, runs the rest)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+from elmo_core import cpu
+from elmo_core.kernels import choice
+from elmo_core.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
+
+needs_native_bf16 = pytest.mark.skipif(
+    not cpu_has_native_bf16(), reason=f"needs a CPU with bfloat16 instructions, not {cpu.facts().line()}"
+)
+
+
+def cpu_precisions() -> tuple[str, ...]:
+    """The precisions the chooser offers for CPU inference on this machine (bf16 only where it is native)."""
+    return choice.offered_precisions("cpu")
 
 
 def run_elmo(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ from elmo_core.allennlp import (
     remove_sentence_boundaries,
 )
 from elmo_core.errors import ConfigError, InputError
-from tests.helpers import run_elmo
+from tests.helpers import needs_native_bf16, run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = [["I", "ate", "an", "apple", "."], ["苹果", "手机"], [], ["The", "quick", "brown", "fox", "jumps"]]
@@ -193,6 +193,7 @@ def test_module_replaces_the_bilm_and_files_with_it_are_refused(files):
         Elmo(*files, 1, module=bilm)
 
 
+@needs_native_bf16
 def test_bf16_without_gradients_is_close_to_fp32(files):
     ids = batch_to_ids(SENTENCES)
     with torch.no_grad():

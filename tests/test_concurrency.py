@@ -4,6 +4,7 @@ ingests into one dataset deduplicate against each other."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from elmo_core import cpu
 from elmo_core.embed import LOCK_NAME, work_dir
 from elmo_core.fileio import FolderLock
 from tests.helpers import ROOT, run_elmo
@@ -330,11 +332,13 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
     workers = [p for p in family if "spawn_main" in cmdlines[p.pid]]
     assert len(workers) >= 2
     os.kill(workers[0].pid, signal.SIGKILL)
-    _, stderr = job.communicate(timeout=600)
+    stdout, stderr = job.communicate(timeout=600)
     if job.returncode != 0:  # the lost unit may fail the run: a rerun does what is missing
         rerun = start()
-        _, stderr = rerun.communicate(timeout=600)
+        stdout, stderr = rerun.communicate(timeout=600)
         assert rerun.returncode == 0, stderr[-3000:]
+    # the two local workers split the cores: each torch has cores / 2 threads, not all of them
+    assert json.loads(stdout.strip().splitlines()[-1])["worker_threads"] == [cpu.threads_for(2)]
     tokens = sum(len(line.split()) for line in lines)
     assert _rows(out) == (tokens, tokens)
     time.sleep(2)

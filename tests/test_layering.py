@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # elmo_core from the bottom up: a module may import only modules listed before it.
 LAYERS = [
     "errors",
+    "cpu",
     "fileio",
     "progress",
     "precision",  # plumbing

@@ -10,7 +10,7 @@ from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
 from elmo_core.inference import StateCarry
 from elmo_core.model import Packing, init_bilm_tf
-from tests.helpers import assert_same_vectors
+from tests.helpers import assert_same_vectors, cpu_precisions, needs_native_bf16
 
 SENTENCES = [
     ["I", "ate", "an", "apple", "."],
@@ -201,7 +201,7 @@ def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model):
     prepared = model.kernels
     try:
         packed = {}
-        for precision in ("fp32", "bf16"):  # the fixture's weights are far below the size that pays: force it
+        for precision in cpu_precisions():  # the fixture's weights are far below the size that pays: force it
             assert "yes (hh, hr, cat)" in str(model.prepare(precision, min_packed=0))
             packed[precision] = model.embed_sentences(sentences, precision=precision)
         for precision, vectors in packed.items():
@@ -211,6 +211,7 @@ def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model):
         model.kernels = prepared
 
 
+@needs_native_bf16
 def test_token_encoder_bf16_weights_cast_once_give_autocast_s_numbers(model):
     ids = batch_to_ids(SENTENCES).view(-1, 50)
     encoder = model.token_encoder

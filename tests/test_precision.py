@@ -1,5 +1,6 @@
 """precision bf16: close to fp32 on the TF fixtures, real text and clip-heavy weights (cell state kept float32);
-fp32 untouched; CPUs without native bf16 still run it (and are told once); training keeps float32 masters."""
+fp32 untouched; a CPU without native bf16 refuses it in one line (or runs it, told once, when allowed); training keeps
+float32 masters."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from elmo_core import BiLM, batch_to_ids
 from elmo_core.corpus import _prose_paragraphs
 from elmo_core.kernels import fused_gates
 from elmo_core.tokenize import split_sentences, unicode_tokens
-from tests.helpers import run_elmo
+from tests.helpers import needs_native_bf16, run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +45,7 @@ def _cosines(bilm: BiLM, sentences: list[list[str]], max_abs: float = 1.0) -> li
     return out
 
 
+@needs_native_bf16
 def test_bf16_is_close_to_fp32_on_the_fixture_sentences_and_real_text(allennlp_dir, fixture_sentences):
     bilm = BiLM.from_pretrained(str(allennlp_dir))
     for sentences in ([s.split() for k in fixture_sentences for s in k], _real_text()):
@@ -51,6 +53,7 @@ def test_bf16_is_close_to_fp32_on_the_fixture_sentences_and_real_text(allennlp_d
             assert cosines.min() >= 0.999 and np.quantile(cosines, 0.001) >= 0.999
 
 
+@needs_native_bf16
 def test_bf16_keeps_the_cell_in_float32_on_clip_heavy_weights(allennlp_dir):
     """Forget and input gates pushed open so that a fifth of the cells sit at the clip: a bf16 cell state drifts
     (worst cosine ~0.986 measured), a float32 one stays above 0.99."""
@@ -70,16 +73,28 @@ def test_bf16_keeps_the_cell_in_float32_on_clip_heavy_weights(allennlp_dir):
         assert cosines.min() >= 0.99
 
 
-def test_a_cpu_without_native_bf16_still_runs_and_is_told_once(allennlp_dir, monkeypatch, caplog):
-    monkeypatch.setenv("ELMO_ASSUME_NO_BF16", "1")
+def test_a_cpu_without_native_bf16_refuses_bf16_in_one_line_or_runs_it_told_once_when_allowed(
+    allennlp_dir, monkeypatch, caplog
+):
+    monkeypatch.setenv("ELMO_CPU_ISA", "avx2")  # an AVX2-only CPU, as the project's choices see it
     monkeypatch.setattr(precision_module, "_warned", set())
     bilm = BiLM.from_pretrained(str(allennlp_dir))
+    with pytest.raises(precision_module.PrecisionError) as refused:
+        bilm.embed_sentences([["no", "native", "bf16", "here"]], precision="bf16")
+    line = str(refused.value)
+    assert "\n" not in line and "no bfloat16 instructions" in line and "AVX-512 no" in line
+    assert "use precision fp32" in line and "ELMO_ALLOW_EMULATED_BF16=1" in line
+    slowdown = float(line.split("measured ")[1].split("x")[0])  # timed on this CPU, both ways
+    assert slowdown > 0 and slowdown == round(precision_module.emulated_bf16_slowdown(), 1)
+    assert precision_module.choose_precision("auto", "cpu")[0] == "fp32"  # auto never picks it there
+    monkeypatch.setenv("ELMO_ALLOW_EMULATED_BF16", "1")
     with caplog.at_level(logging.WARNING, logger="elmo_core.precision"):
         first = bilm.embed_sentences([["no", "native", "bf16", "here"]], precision="bf16")
         bilm.embed_sentences([["again"]], precision="bf16")
-    warnings = [r.getMessage() for r in caplog.records if "no native bfloat16" in r.getMessage()]
-    assert len(warnings) == 1 and "--precision fp32" in warnings[0]
+    warnings = [r.getMessage() for r in caplog.records if "no bfloat16 instructions" in r.getMessage()]
+    assert len(warnings) == 1 and "ELMO_ALLOW_EMULATED_BF16=1" in warnings[0]
     assert np.isfinite(first[0]).all()
+    assert "packed for oneDNN no (" in str(bilm.prepare("bf16", min_packed=0))  # never oneDNN's bf16 packing there
 
 
 def test_precision_names_are_checked():
@@ -92,11 +107,14 @@ def test_auto_is_bf16_where_the_hardware_computes_it_natively_and_says_why(monke
     chosen, why = precision_module.choose_precision("auto", "cpu")
     assert chosen == ("bf16" if native else "fp32")
     assert why.startswith("auto: the CPU has") and ("bfloat16 instructions" in why)
-    monkeypatch.setenv("ELMO_ASSUME_NO_BF16", "1")  # a CPU without avx512_bf16 / AMX
+    if native:
+        assert precision_module.choose_precision("bf16", "cpu") == ("bf16", "asked for bf16")
+    monkeypatch.setenv("ELMO_CPU_ISA", "avx2")  # a CPU without avx512_bf16 / AMX
     chosen, why = precision_module.choose_precision("auto", "cpu")
     assert chosen == "fp32" and why.startswith("auto: the CPU has no bfloat16 instructions")
     assert precision_module.resolve_precision("auto", "cpu") == "fp32"
-    assert precision_module.choose_precision("bf16", "cpu") == ("bf16", "asked for bf16")
+    with pytest.raises(precision_module.PrecisionError, match="precision bf16: this CPU has no bfloat16"):
+        precision_module.choose_precision("bf16", "cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
@@ -114,6 +132,7 @@ def test_cuda_asked_for_without_a_gpu_falls_back_to_the_cpu_with_a_warning(monke
     assert precision_module.pick_device("cpu") == torch.device("cpu")
 
 
+@needs_native_bf16
 def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path, bilm_tf_dir):
     from elmo_core.ingest import IngestConfig, ingest
     from elmo_core.train import TrainConfig, setup, step
@@ -154,6 +173,7 @@ def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path
     assert run.state[1].dtype == torch.float32  # the carried cell state
 
 
+@needs_native_bf16
 def test_elmo_embed_precision_bf16_and_the_kernels_it_ran(tmp_path, allennlp_dir):
     result = run_elmo(
         "-v",
@@ -168,7 +188,7 @@ def test_elmo_embed_precision_bf16_and_the_kernels_it_ran(tmp_path, allennlp_dir
         "bf16",
     )
     assert result.returncode == 0, result.stderr
-    assert "precision bf16 on cpu: torch CPU kernels" in result.stderr
+    assert "precision bf16 on cpu: " in result.stderr and ", torch CPU kernels " in result.stderr
     assert "LSTM step weights packed for oneDNN no (weights under" in result.stderr  # the fixture model is tiny
     assert f"LSTM gates fused in C {fused_gates.describe()}" in result.stderr
     if precision_module.cpu_has_native_bf16():

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from elmo_core import cpu
 from elmo_core.config import LstmConfig
 from elmo_core.kernels import char_cnn, fused_gates, packed, trained_step
 from elmo_core.kernels.cache import WeightCache
 from elmo_core.kernels.cells import CpuCell
-from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, resolve_precision
+from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, native_bf16, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class Kernels:
         if not self.cpu_cells:
             return f"precision {self.precision} on {self.device}: the reference LSTM cell (PyTorch ops, autocast)"
         return (
-            f"precision {self.precision} on {self.device}: torch CPU kernels {cpu_capability()}, native bf16 "
+            f"precision {self.precision} on {self.device}: {cpu.facts().line()}, torch CPU kernels "
+            f"{cpu_capability()}, native bf16 "
             f"{'yes' if cpu_has_native_bf16() else 'no'}, LSTM step weights packed for oneDNN {self.packed_weights}, "
             f"LSTM gates fused in C {self.gate_kernel_note}"
         )
@@ -77,6 +79,12 @@ class Kernels:
         return self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))
 
 
+def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
+    """The precisions inference on ``device`` runs usefully (``elmo info`` lists them; ``auto`` picks the last):
+    fp32 everywhere, bf16 where the device computes it natively (elsewhere it is refused, ``precision.py``)."""
+    return ("fp32", "bf16") if native_bf16(device)[0] else ("fp32",)
+
+
 def choose(
     device: torch.device,
     precision: str,
@@ -94,9 +102,10 @@ def choose(
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
         return Kernels(device.type, precision, cpu_cells=False)
+    can_pack, why_not = packed.packing(torch.bfloat16 if precision == "bf16" else torch.float32)
     if min_packed == "auto":
-        min_packed = packed.MIN_ELEMENTS if packed.packing_available() else None
-    elif min_packed is not None and not packed.packing_available():
+        min_packed = packed.MIN_ELEMENTS if can_pack else None
+    elif min_packed is not None and not can_pack:
         min_packed = None
     if gate_kernel is False:
         gate_note = "no (not chosen)"
@@ -108,7 +117,7 @@ def choose(
         cpu_cells=True,
         min_packed=min_packed,  # type: ignore[arg-type]
         gate_kernel=gate_kernel,
-        packed_weights=_describe_packing(lstm, min_packed),  # type: ignore[arg-type]
+        packed_weights=_describe_packing(lstm, min_packed, why_not),  # type: ignore[arg-type]
         gate_kernel_note=gate_note,
     )
 
@@ -162,10 +171,10 @@ def choose_training(
     return TrainingKernels(device.type, steps, steps_note, cnn, cnn_note)
 
 
-def _describe_packing(lstm: LstmConfig, min_packed: int | None) -> str:
+def _describe_packing(lstm: LstmConfig, min_packed: int | None, why_not: str) -> str:
     """Which of the model's per-step weights get packed, or why none: 'yes (hh, cat)', 'no (weights under …)'."""
     if min_packed is None:
-        return "no (ELMO_NO_PACKED_WEIGHTS=1 or no oneDNN in this torch)"
+        return f"no ({why_not or 'not chosen'})"
     p, h = lstm.projection_dim, lstm.dim
     projects = p < h
     sizes = {"hh": p * 4 * h, "hr": h * p if projects else 0, "cat": 2 * p * 4 * h}

@@ -6,10 +6,11 @@ tanh, slices, products, clamp and casts, about 20% of an original-shape bf16 cal
 once and writes the cell state and the cell output (already in the dtype the projection takes).
 
 The sources (``lstm_gates.c``, and ``char_cnn.c`` for training's char CNN) are compiled into one library with the
-machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this CPU (``-march=native``), into
-``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a name that hashes the sources, the flags, the
-compiler and the CPU; later processes load the built library. Without a C compiler, or with
-``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says which, and why).
+machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this CPU (``-march=native``;
+``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a
+name that hashes the sources, the flags, the compiler and the CPU; later processes load the built library. Without a
+C compiler, or with ``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says
+which, and why).
 """
 
 from __future__ import annotations
@@ -29,11 +30,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from elmo_core import cpu
+
 log = logging.getLogger(__name__)
 
 # one library: the LSTM gates (inference and training) and the char CNN's training backward (``char_cnn.py``)
 SOURCES = [Path(__file__).with_name(name) for name in ("lstm_gates.c", "char_cnn.c")]
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]
+
+
+def _flags() -> list[str]:
+    """FLAGS with the target: this CPU (``-march=native``), or ``x86-64-v3`` (AVX2 + FMA) under ELMO_CPU_ISA=avx2."""
+    return [*FLAGS, f"-march={cpu.facts().c_march()}"]
+
+
 PARALLEL_ELEMENTS = 1 << 15  # below this many cells per step, more threads cost more than they save
 
 
@@ -71,7 +81,7 @@ def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU: built once, then reused from the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([*(source.read_text() for source in SOURCES), " ".join(FLAGS), version, _cpu_identity()]).encode()
+        "\0".join([*(source.read_text() for source in SOURCES), " ".join(_flags()), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
     try:
@@ -85,8 +95,9 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)  # built aside, renamed: concurrent builds are safe
     os.close(fd)
     try:
-        fallbacks = [FLAGS, [f for f in FLAGS if f != "-fopenmp"]]  # without OpenMP the loop runs on one thread
-        fallbacks.append([f for f in fallbacks[1] if f != "-march=native"])  # a compiler that cannot target "native"
+        flags = _flags()
+        fallbacks = [flags, [f for f in flags if f != "-fopenmp"]]  # without OpenMP the loop runs on one thread
+        fallbacks.append([f for f in fallbacks[1] if not f.startswith("-march=")])  # a compiler that cannot target it
         for flags in fallbacks:
             result = subprocess.run(
                 [compiler, *flags, "-o", partial, *map(str, SOURCES)], capture_output=True, text=True, timeout=120

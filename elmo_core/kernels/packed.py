@@ -6,7 +6,8 @@ product itself at these row counts. Packing once per weight version and calling 
 weight measured 1.6x (fp32) and 1.3x (bf16) faster per step at 64 rows, and 2-5x at a handful of rows (the
 long sentences' tail). The numbers are the same products in the same precision (float32 accumulation both ways).
 
-``ELMO_NO_PACKED_WEIGHTS=1`` turns this off (plain ``bmm``), as does a torch build without oneDNN; which weights of a
+``ELMO_NO_PACKED_WEIGHTS=1`` turns this off (plain ``bmm``), as does a torch build without oneDNN or a CPU it cannot
+pack for in the run's dtype (probed per dtype: bf16 packing needs AVX-512 or AVX-NE-CONVERT); which weights of a
 model get packed is decided once, by ``kernels.choose``.
 """
 
@@ -19,6 +20,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from elmo_core import cpu
+
 log = logging.getLogger(__name__)
 
 ROWS_HINT = 64  # the row count oneDNN tunes the packing for; measured insensitive from 16 rows up
@@ -27,18 +30,36 @@ ROWS_HINT = 64  # the row count oneDNN tunes the packing for; measured insensiti
 MIN_ELEMENTS = 1 << 21
 
 
-@lru_cache(maxsize=1)
-def packing_available() -> bool:
-    """oneDNN's packed linear is in this torch build and works here (checked once on a tiny product)."""
-    if os.environ.get("ELMO_NO_PACKED_WEIGHTS") == "1" or not torch.backends.mkldnn.is_available():
-        return False
+def packing(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """Whether oneDNN's packed linear is in this torch build and works here for ``dtype`` inputs, and why not:
+    checked once per dtype (and value of ``ELMO_CPU_ISA``) on a tiny product, in the dtype that will run (oneDNN's
+    bf16 packing refuses CPUs without AVX-512 or AVX-NE-CONVERT: "bf16 path needs the cpu support ...")."""
+    return _packing(dtype, cpu.override())
+
+
+@lru_cache(maxsize=8)
+def _packing(dtype: torch.dtype, isa: str | None) -> tuple[bool, str]:
+    if os.environ.get("ELMO_NO_PACKED_WEIGHTS") == "1":
+        return False, "ELMO_NO_PACKED_WEIGHTS=1"
+    if not torch.backends.mkldnn.is_available():
+        return False, "no oneDNN in this torch"
+    name = str(dtype).removeprefix("torch.")
     try:
-        w, x = torch.ones(8, 4), torch.ones(3, 4)
+        w, x = torch.ones(8, 4, dtype=dtype), torch.ones(3, 4, dtype=dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 3), None, "none", [], "")
-        return bool(torch.equal(y, torch.full((3, 8), 4.0)))
-    except (AttributeError, RuntimeError) as exc:  # an op renamed or missing in another torch build
-        log.debug("oneDNN packed linear unavailable (%s); using bmm", exc)
-        return False
+        if not torch.equal(y.float(), torch.full((3, 8), 4.0)):
+            return False, f"oneDNN's packed {name} product gave wrong numbers here"
+    except (AttributeError, RuntimeError) as exc:  # an op renamed or missing, or a CPU oneDNN cannot pack for
+        log.debug("oneDNN packed linear unavailable for %s (%s); using bmm", name, exc)
+        return False, f"oneDNN cannot pack {name} here: {str(exc).splitlines()[0][:120]}"
+    if dtype == torch.bfloat16 and not cpu.facts().bf16_instructions:  # emulated (or ELMO_CPU_ISA says so)
+        return False, f"not for {name} on a CPU without bfloat16 instructions"
+    return True, ""
+
+
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's packed linear works here for ``dtype`` inputs (``packing``)."""
+    return packing(dtype)[0]
 
 
 class PackedWeights:
