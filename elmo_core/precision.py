@@ -85,7 +85,7 @@ def _emulated_bf16_line() -> str:
     return (
         f"precision bf16: this CPU has no bfloat16 instructions ({cpu.facts().line()}; torch CPU kernels "
         f"{cpu_capability()}), so bf16 is emulated: a bf16 product measured {emulated_bf16_slowdown():.1f}x the time "
-        f"of the same fp32 one here, and a whole embedding 30-60x; use precision fp32 (what auto chooses here), or "
+        f"of the same fp32 one here; use precision fp32 (what auto chooses here), or "
         f"set {ALLOW_EMULATED_BF16}=1 to run bf16 anyway"
     )
 
