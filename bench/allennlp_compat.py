@@ -151,6 +151,9 @@ def allennlp(model_dir: Path, sentences: list[list[str]], repeats: int, out: Pat
 
 
 def main() -> None:
+    from elmo_core import cpu
+
+    print(cpu.describe())  # which CPU these figures come from (AVX-512, avx512_bf16, AMX)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="small,original")
     parser.add_argument("--repeats", type=int, default=3)

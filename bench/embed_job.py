@@ -63,6 +63,9 @@ def make_model(folder: Path, shape: str) -> Path:
 
 
 def main() -> None:
+    from elmo_core import cpu
+
+    print(cpu.describe())  # which CPU these figures come from (AVX-512, avx512_bf16, AMX)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="small")
     parser.add_argument("--sentences", type=int, default=2000)

@@ -66,15 +66,13 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
 def describe_machine(device: torch.device | str = "cpu") -> str:
     """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively, whether oneDNN's packed
     products are on and whether the C gate kernel was built: which kernels ran."""
+    from elmo_core import cpu
     from elmo_core.kernels.fused_gates import describe as describe_fused_gates
     from elmo_core.kernels.packed import packing_available
-    from elmo_core.precision import cpu_capability, cpu_has_native_bf16
+    from elmo_core.precision import cpu_has_native_bf16
 
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
     text = (
-        f"torch {torch.__version__}, {model}, {torch.get_num_threads()} threads, CPU kernels {cpu_capability()}, "
+        f"{cpu.describe()}, {torch.get_num_threads()} threads, "
         f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}, "
         f"inference's packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}, "
         f"LSTM gates fused in C {describe_fused_gates()}"

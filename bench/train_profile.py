@@ -147,6 +147,9 @@ class Parts:
 
 
 def main() -> None:
+    from elmo_core import cpu
+
+    print(cpu.describe())  # which CPU these figures come from (AVX-512, avx512_bf16, AMX)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mini,2x512_128")
     parser.add_argument("--batches", default="32,128")

@@ -331,6 +331,9 @@ def main_job_against(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from elmo_core import cpu
+
+    print(cpu.describe())  # which CPU these figures come from (AVX-512, avx512_bf16, AMX)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mini,2x512_128,small", help="presets, or 2x512_128")
     parser.add_argument("--batches", default="32,128", help="rows per step (x 20 steps)")
