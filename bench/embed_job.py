@@ -12,6 +12,7 @@ memory flat as the input grows (streamed units of work).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 where it is emulated too (the slowdown)
 
 from corpus_gen import peak_rss_mb_of, zipf_words  # noqa: E402
 

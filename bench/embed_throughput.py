@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 where it is emulated too (the slowdown)
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402

@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 where it is emulated too (the slowdown)
 
 from corpus_gen import main_job_data, write_token_id_corpus  # noqa: E402
 from cpu_recipe import TODAY  # noqa: E402  (the main job's recipe before bench/cpu_recipe.py)
