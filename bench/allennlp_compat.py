@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -40,6 +39,9 @@ from elmo_core import BiLM  # noqa: E402
 from elmo_core.allennlp import Elmo, ElmoEmbedder, batch_to_ids  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
 from elmo_core.model import init_bilm_tf  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 BATCH = 64
 JOBS = ("embed_sentences", "embed_file", "Elmo.forward")

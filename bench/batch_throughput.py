@@ -32,9 +32,11 @@ BATCH, UNROLL = 128, 20  # bilm-tf's per-GPU batch and window
 
 FEED = """
 import json, sys, time
-import torch
 from elmo_core.batches import LMBatcher
 from elmo_core.prefetch import Prefetcher, to_tensors
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 torch.set_num_threads(1)
 n = int(sys.argv[2])
 b = LMBatcher(sys.argv[1], batch_size=%d, unroll_steps=%d, seed=0)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -37,6 +36,9 @@ from elmo_core.config import ModelConfig, preset  # noqa: E402
 from elmo_core.inference import length_batches  # noqa: E402
 from elmo_core.model import init_bilm_tf  # noqa: E402
 from elmo_core.precision import onednn_verbose  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 
 def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:

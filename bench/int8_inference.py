@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -31,6 +30,9 @@ from elmo_core.corpus import _prose_paragraphs  # noqa: E402
 from elmo_core.kernels import cells  # noqa: E402
 from elmo_core.model import init_bilm_tf  # noqa: E402
 from elmo_core.tokenize import split_sentences, unicode_tokens  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 warnings.filterwarnings("ignore", message=".*quantiz.*deprecated")  # torch 2.13 deprecates the quantized tensors
 

@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -42,6 +40,9 @@ from elmo_core.precision import autocast  # noqa: E402
 from elmo_core.prefetch import KEYS  # noqa: E402
 from elmo_core.softmax import sampled_softmax_loss  # noqa: E402
 from elmo_core.train import _clip_global_norm, setup, step  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 PARTS = ("batch", "encoder", "LSTM", "softmax", "optimizer")
 

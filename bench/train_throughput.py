@@ -36,8 +36,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE.parent))
@@ -55,6 +53,9 @@ from elmo_core.model import init_bilm_tf  # noqa: E402
 from elmo_core.precision import autocast  # noqa: E402
 from elmo_core.softmax import LogUniformSampler  # noqa: E402
 from elmo_core.train import LMObjective, _clip_global_norm  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 VOCAB = 100_000
 NEGATIVES = {"mini": 512}  # the main job's; bilm-tf's 8192 for the rest

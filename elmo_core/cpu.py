@@ -164,7 +164,11 @@ def torch_capability() -> str:
 
 def describe() -> str:
     """The CPU line and what torch dispatches to: the header of ``elmo info`` and of every bench."""
-    return f"CPU {facts().line()}; torch {_torch_version()} CPU kernels {torch_capability()}"
+    capability = torch_capability()
+    held = (
+        "" if override() is None or capability == "AVX2" else " (not held to AVX2: torch was imported before elmo_core)"
+    )
+    return f"CPU {facts().line()}; torch {_torch_version()} CPU kernels {capability}{held}"
 
 
 def _torch_version() -> str:
@@ -191,10 +195,11 @@ def threads_for(processes: int) -> int:
     return max(1, usable_cores() // max(1, processes))
 
 
-def worker_env(processes: int) -> dict[str, str]:
+def worker_env(processes: int, threads: int | None = None) -> dict[str, str]:
     """The environment of a worker process that shares this machine with ``processes - 1`` others: torch's threads
-    (``apply_thread_share`` reads them) and the OpenMP / MKL pools', which torch sizes itself from at start."""
-    n = str(threads_for(processes))
+    (``apply_thread_share`` reads them) and the OpenMP / MKL pools', which torch sizes itself from at start.
+    ``threads`` overrides the share (a bench shows what every worker taking every core costs)."""
+    n = str(threads if threads else threads_for(processes))
     return {THREADS: n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 

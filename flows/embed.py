@@ -99,6 +99,8 @@ def finish_embedding(
         "files": summary.units,
         "query": query,
         "line": summary.line(),
+        "tokens": summary.tokens,
+        "seconds": summary.seconds,
         "worker_processes": len({r["pid"] for r in results}),
         "worker_threads": sorted({r["threads"] for r in results}),  # torch threads per worker process
     }
@@ -130,11 +132,13 @@ def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     return summary
 
 
-def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int = 2) -> dict[str, Any]:
+def run_on_dask(
+    config: EmbedConfig, address: str | None = None, n_workers: int = 2, torch_threads: int | None = None
+) -> dict[str, Any]:
     """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one.
 
     A local cluster's workers are processes started for the job, each with its share of the cores as torch threads
-    (logged by its first unit); without a Prefect API configured, one temporary
+    (logged by its first unit; ``torch_threads`` sets another count); without a Prefect API configured, one temporary
     Prefect server serves the flow and all of them (not one each) and stops with the job. A unit of a worker that
     dies is redone elsewhere (units are idempotent: unique temporary names, a finished unit is skipped).
     """
@@ -150,7 +154,12 @@ def run_on_dask(config: EmbedConfig, address: str | None = None, n_workers: int 
         )
     # each local worker gets cores / n_workers torch threads (cpu.worker_env): torch in every worker taking every
     # core oversubscribes the machine
-    cluster = {"n_workers": n_workers, "threads_per_worker": 1, "processes": True, "env": cpu.worker_env(n_workers)}
+    cluster = {
+        "n_workers": n_workers,
+        "threads_per_worker": 1,
+        "processes": True,
+        "env": cpu.worker_env(n_workers, torch_threads),
+    }
     runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster)
     if address or PREFECT_API_URL.value():
         return embed_flow.with_options(task_runner=runner)(config)
