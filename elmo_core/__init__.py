@@ -34,16 +34,25 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
 Plumbing below all of them: ``errors`` (one-line user errors), ``cpu`` (what this CPU can do, and the
 ``ELMO_CPU_ISA=avx2`` override, applied here before torch is imported), ``fileio`` (atomic writes, digests),
 ``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device, fp32 or bf16).
-``tests/test_layering.py`` keeps every import pointing down this list. Importing the package (``BiLM``,
-``batch_to_ids``) loads neither DuckDB, pyarrow, Prefect nor MLflow.
+``tests/test_layering.py`` keeps every import pointing down this list. Importing the package loads nothing but
+``cpu``; ``BiLM`` and ``batch_to_ids`` load torch and the model on first use, never DuckDB, pyarrow, Prefect or
+MLflow.
 """
 
 from elmo_core import cpu
 
 cpu.limit_torch()  # before anything imports torch: ELMO_CPU_ISA=avx2 holds torch's own kernels to AVX2 too
 
-from elmo_core.chars import batch_to_ids  # noqa: E402
-from elmo_core.config import ModelConfig  # noqa: E402
-from elmo_core.model import BiLM, ScalarMix  # noqa: E402
+# loaded on first use (PEP 562), so that ``elmo --help`` and a bad flag answer without loading torch
+_EXPORTS = {"BiLM": "model", "ScalarMix": "model", "ModelConfig": "config", "batch_to_ids": "chars"}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["BiLM", "ModelConfig", "ScalarMix", "batch_to_ids"]
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'elmo_core' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"elmo_core.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value

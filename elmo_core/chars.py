@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch.nn import functional as nn_functional
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the CLI reads these constants without loading it
+    import torch
 
 MAX_CHARS = 50
 N_RAW_CHARS = 261  # rows of bilm-tf's trained char_embed
@@ -85,6 +87,8 @@ def batch_to_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS)
 
     Same contract as AllenNLP's ``batch_to_ids``: the biLM adds ``<S>``/``</S>`` itself.
     """
+    import torch
+
     longest = max((len(s) for s in sentences), default=0)
     out = np.zeros((len(sentences), longest, max_chars), dtype=np.int64)
     for b, sentence in enumerate(sentences):
@@ -95,11 +99,14 @@ def batch_to_ids(sentences: Sequence[Sequence[str]], max_chars: int = MAX_CHARS)
 
 def model_ids(raw: torch.Tensor) -> torch.Tensor:
     """Raw char ids (training batches, bilm-tf's scheme) ─► the inference ids the model reads."""
+
     return raw + INFERENCE_OFFSET
 
 
 def boundary_char_ids(max_chars: int = MAX_CHARS) -> tuple[torch.Tensor, torch.Tensor]:
     """Inference ids of ``<S>`` and ``</S>`` as (max_chars,) int64 tensors."""
+    import torch
+
     bos = torch.tensor(char_ids(BOS_TOKEN, max_chars), dtype=torch.int64)
     eos = torch.tensor(char_ids(EOS_TOKEN, max_chars), dtype=torch.int64)
     return bos, eos
@@ -109,11 +116,13 @@ def distinct_rows(char_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(char_ids, dim=0, return_inverse=True)`` for (N, C) char ids (< 512), the same result 2-4x
     faster: seven 9-bit ids packed into each int64 key keep the rows' lexicographic order, and stable sorts from
     the last key to the first sort the rows (``unique`` with ``dim`` compares rows one pair at a time)."""
+    import torch
+
     n, c = char_ids.shape
     if n == 0:
         return char_ids, torch.zeros(0, dtype=torch.long, device=char_ids.device)
     per_key = 7
-    packed = nn_functional.pad(char_ids.long(), (0, (-c) % per_key)).view(n, -1, per_key)
+    packed = torch.nn.functional.pad(char_ids.long(), (0, (-c) % per_key)).view(n, -1, per_key)
     keys = (packed * (512 ** torch.arange(per_key - 1, -1, -1, device=char_ids.device))).sum(-1)  # (N, K)
     order = torch.arange(n, device=char_ids.device)
     for k in range(keys.shape[1] - 1, -1, -1):

@@ -273,7 +273,7 @@ class EmbedOptions(Options):
     gamma: float = Field(1.0, description="scalar-mix scale")
     dtype: Literal["float32", "float16"] = Field("float32", description="storage type of the vectors")
     pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
-    split: Literal["all", "train", "heldout"] = Field("all", description="which split of an ingested dataset")
+    split: Literal["all", "train", "heldout", "test"] = Field("all", description="which split of an ingested dataset")
     tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
     max_batch_tokens: int = Field(8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)")
     unit_tokens: int = Field(

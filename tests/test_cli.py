@@ -16,3 +16,28 @@ def test_info_and_a_clear_error_for_a_missing_model(tmp_path, allennlp_dir):
     bad = run_elmo("info", str(tmp_path))
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == f"elmo info: error: {tmp_path}/options.json: options file not found"
+
+
+def test_help_and_a_bad_flag_answer_without_loading_torch():
+    """``elmo --help``, a stage's help and a bad flag need only the options: torch (seconds to import on a busy
+    machine) is not loaded for them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from elmo_core.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    for args, code in ((["--help"], 0), (["embed", "--help"], 0), (["train", "--bogus", "1"], 2)):
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+        assert done.stderr.strip().splitlines()[-1] == f"exit {code} False", (args, done.stderr)
+    assert (
+        "embed"
+        in subprocess.run(
+            [sys.executable, "-m", "elmo_core.cli", "--help"], capture_output=True, text=True, timeout=120
+        ).stdout
+    )

@@ -157,13 +157,59 @@ def test_abbreviated_flags_are_refused():
     assert result.returncode == 2 and "unrecognized arguments: --mod m" in result.stderr  # not taken for --model
 
 
-def test_elmo_perplexity_on_the_test_split(tmp_path, allennlp_dir):
-    """The command scores the split it is told to (a model without a softmax is refused, naming what it needs)."""
+def _softmax_model(folder: Path) -> Path:
+    """A tiny random biLM with a softmax over TRAIN's words and its vocab.txt (what ``elmo perplexity`` needs)."""
+    import torch
+
+    from elmo_core import BiLM
+    from elmo_core.config import preset
+    from elmo_core.model import init_bilm_tf
+
+    words = sorted({w for line in TRAIN for w in line.split()})
+    vocab = ["<S>", "</S>", "<UNK>", *words]
+    torch.manual_seed(0)
+    bilm = BiLM(preset("tiny").model_copy(update={"n_tokens_vocab": len(vocab)}), vocab=vocab)
+    init_bilm_tf(bilm)
+    bilm.save_pretrained(str(folder))
+    return folder
+
+
+def test_elmo_perplexity_scores_the_split_it_is_told_to(tmp_path, allennlp_dir):
+    """``--split test`` scores the test sentences: the same figures as those sentences ingested alone as heldout;
+    the train split's differ. A model without a softmax is refused, naming what it needs."""
     train, test = _write(tmp_path / "train.txt", TRAIN), _write(tmp_path / "test.txt", TEST)
     out = tmp_path / "ds"
     ingest(IngestConfig(sources=[str(train), Source(path=str(test), split="test")], out=str(out), heldout_fraction=0.0))
+    alone = tmp_path / "test-alone"
+    ingest(IngestConfig(sources=[str(test)], out=str(alone), split="heldout", heldout_fraction=0.0))
+    model = _softmax_model(tmp_path / "model")
+
+    def score(corpus: Path, split: str) -> str:
+        result = run_elmo("perplexity", "--model", str(model), "--corpus", str(corpus), "--split", split)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip().splitlines()[-1].split(" on ")[0]
+
+    on_test = score(out, "test")
+    assert on_test.startswith("perplexity: ")
+    assert on_test == score(alone, "heldout")
+    assert on_test != score(out, "train")
     result = run_elmo("perplexity", "--model", str(allennlp_dir), "--corpus", str(out), "--split", "test")
     assert result.returncode == 2 and "needs a model with a softmax" in result.stderr
+
+
+def test_elmo_embed_embeds_the_test_split(tmp_path, allennlp_dir):
+    """Every split ingest keeps can be embedded, test too: exactly its sentences, each token a row."""
+    train, test = _write(tmp_path / "train.txt", TRAIN), _write(tmp_path / "test.txt", TEST)
+    out = tmp_path / "ds"
+    ingest(IngestConfig(sources=[str(train), Source(path=str(test), split="test")], out=str(out), heldout_fraction=0.0))
+    emb = tmp_path / "emb"
+    result = run_elmo("embed", "--model", str(allennlp_dir), "--input", str(out), "--out", str(emb), "--split", "test")
+    assert result.returncode == 0, result.stderr
+    rows = duckdb.sql(
+        f"SELECT text, count(*) FROM read_parquet('{emb}/*.parquet') GROUP BY text ORDER BY text"
+    ).fetchall()
+    assert [text for text, _ in rows] == sorted(TEST)
+    assert all(n == len(text.split()) for text, n in rows)
 
 
 @pytest.mark.slow
