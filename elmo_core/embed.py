@@ -43,7 +43,7 @@ from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
 from elmo_core.inference import StateCarry, consecutive_batches, length_batches, token_rows
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
-from elmo_core.model import BiLM, ScalarMix
+from elmo_core.model import BiLM, fixed_mix
 from elmo_core.options import EmbedConfig, IngestConfig
 from elmo_core.precision import onednn_verbose, pick_device, resolve_precision
 from elmo_core.progress import track
@@ -100,6 +100,28 @@ class Job:
     @property
     def replaces(self) -> bool:
         return self.target != self.out
+
+    def to_record(self) -> dict[str, Any]:
+        """The job as JSON-able values, for a task to pass it on to the tasks after it (the config goes apart)."""
+        return {
+            "model_dir": str(self.model_dir),
+            "model_id": self.model_id,
+            "units": [asdict(u) for u in self.units],
+            "target": str(self.target),
+            "work": str(self.work),
+        }
+
+    @classmethod
+    def from_record(cls, config: EmbedConfig, record: dict[str, Any]) -> Job:
+        return cls(
+            config=config,
+            model_dir=Path(record["model_dir"]),
+            model_id=record["model_id"],
+            units=[Unit(**u) for u in record["units"]],
+            target=Path(record["target"]),
+            out=Path(config.out),
+            work=Path(record["work"]),
+        )
 
 
 def work_dir(out: Path) -> Path:
@@ -229,16 +251,36 @@ def _describe_input(value: dict[str, Any] | None) -> str:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What makes ``new`` another job than the folder's ``old`` one. ``new`` may lack ``input`` (the tokenized
+    shards, not known before text input is tokenized): then the model, the named source and the options decide."""
     parts = []
     if old.get("model_id") != new["model_id"]:
         parts.append(f"model {old.get('model_id')} → {new['model_id']}")
-    if old.get("input") != new["input"]:
+    if "source" in old and old["source"] != new["source"]:  # tables written before "source" was kept lack it
+        parts.append(f"input {old['source']} → {new['source']}")
+    elif "input" in new and old.get("input") != new["input"]:
         parts.append(f"input {_describe_input(old.get('input'))} → {_describe_input(new['input'])}")
     options = old.get("options") or {}
     changed = [f"{k} {options.get(k)!r} → {v!r}" for k, v in new["options"].items() if options.get(k) != v]
     if changed:
         parts.append("options " + ", ".join(changed))
     return "; ".join(parts)
+
+
+def _another_job(out: Path, differs: str) -> OutputError:
+    return OutputError(
+        f"{out} holds embeddings of another job ({differs}); use a new --out folder, "
+        "or --overwrite to replace its table"
+    )
+
+
+def _refuse_another_job_early(out: Path, partial: dict[str, Any]) -> None:
+    """Refuse a job whose model, source or options differ from the folder's before its text input is tokenized:
+    no work done, one line, and the folder's own working copy of its input left as it is."""
+    current = _read_job(out)
+    differs = _differences(current, partial) if current is not None else ""
+    if differs:
+        raise _another_job(out, differs)
 
 
 def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
@@ -255,10 +297,7 @@ def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
         if not differs:
             return out  # the same job: resume it (or find it done)
         if not overwrite:
-            raise OutputError(
-                f"{out} holds embeddings of another job ({differs}); use a new --out folder, "
-                "or --overwrite to replace its table"
-            )
+            raise _another_job(out, differs)
         target = work / "next"
         if _read_job(target) != job:  # unless an interrupted replacement by this very job: resume that
             shutil.rmtree(target, ignore_errors=True)
@@ -284,18 +323,24 @@ def prepare(config: EmbedConfig) -> Job:
         model_dir = resolve_model_dir(config.model, work / "model" if is_model_uri(config.model) else None)
         if not (model_dir / OPTIONS_NAME).exists():
             raise InputError(f"{model_dir}: no {OPTIONS_NAME}; --model takes a model directory or an MLflow model URI")
+        known = {
+            "model_id": model_id(model_dir),
+            "source": str(Path(config.input).resolve()),
+            "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
+        }
+        if not config.overwrite:
+            _refuse_another_job_early(out, known)
         corpus, shards = resolve_input(config, work)
         units = plan_units(shards, config.unit_tokens, config.split)
         if not units:
             raise InputError(f"{config.input}: no {config.split} sentences to embed")
         identity = {
-            "model_id": model_id(model_dir),
+            **known,
             "model": config.model,
             "input": {
                 "path": str(corpus.resolve()),
                 "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],
             },
-            "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
             "units": [u.name for u in units],
         }
         target = _claim(out, work, identity, config.overwrite)
@@ -340,7 +385,7 @@ class Embedder:
         if show_kernels:
             log.info("%s; oneDNN's log of the first batch follows", self.bilm.kernels)
         n = self.bilm.num_layers
-        mix = ScalarMix(n, initial_scalar_parameters=config.mix_weights, trainable=False, gamma=config.gamma)
+        mix = fixed_mix(n, config.mix_weights, config.gamma)
         self.mix = mix.weights().detach().to(device)
         self.schema = output_schema(n, self.bilm.output_dim, config)
         self.names = [f"layer_{i}" for i in range(n)] if config.layers == "all" else ["elmo"]

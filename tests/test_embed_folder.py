@@ -72,6 +72,23 @@ def test_another_input_is_refused_and_overwrite_replaces_the_table_whole(tmp_pat
     assert again.units_done_before == again.units and again.tokens == 0
 
 
+def test_another_text_file_is_refused_in_one_line_before_it_is_tokenized(tmp_path, allennlp_dir):
+    """Two jobs started together where the second starts after the first is done (CI saw it: a loaded machine
+    still importing torch): refused in one line, with no ingest log before it and the folder's working copy of
+    its own input untouched. The two files have the same number of lines, so only their names tell them apart."""
+    model, out = str(allennlp_dir), tmp_path / "emb"
+    a, b = _write(tmp_path / "a.txt", A), _write(tmp_path / "b.txt", ["one two three .", "four five six ."])
+    assert run_elmo("embed", "--model", model, "--input", str(a), "--out", str(out)).returncode == 0
+    marker = work_dir(out) / "input" / "_sources.json"
+    before = (marker.read_text(), sorted(p.name for p in marker.parent.iterdir()))
+    result = run_elmo("embed", "--model", model, "--input", str(b), "--out", str(out))
+    line = _one_line_error(result, "embed")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"holds embeddings of another job (input {a.resolve()} → {b.resolve()})" in line
+    assert (marker.read_text(), sorted(p.name for p in marker.parent.iterdir())) == before
+    assert len(pd.read_parquet(out)) == _tokens(A)
+
+
 def test_other_options_are_named_in_the_refusal(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     text = _write(tmp_path / "a.txt", A)
