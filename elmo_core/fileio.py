@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -23,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
+
+log = logging.getLogger(__name__)
 
 
 def temp_path(path: str | Path) -> Path:
@@ -97,14 +100,17 @@ class FolderLock:
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = self._holder(fd)
-            os.close(fd)
-            raise OutputError(
-                f"{self.folder}: in use by another job ({holder}); wait for it to end, or give --wait to queue "
-                "behind it"
-            ) from None
+            if not self.wait:
+                os.close(fd)
+                raise OutputError(
+                    f"{self.folder}: in use by another job ({holder}); wait for it to end, or give --wait to queue "
+                    "behind it"
+                ) from None
+            log.info("%s: in use by another job (%s); waiting for it to end (--wait)", self.folder, holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
         started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode())

@@ -58,8 +58,11 @@ def test_a_second_job_is_refused_naming_the_holder_and_waits_with_wait(tmp_path,
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(3)
-        assert waiting.poll() is None  # queued behind the holder
+        # it says that it waits, and for whom, then blocks: nothing is written while the holder holds the folder
+        lines = iter(waiting.stderr.readline, "")
+        said = next((line for line in lines if "waiting for it to end" in line), "")
+        assert f"in use by another job (pid {__import__('os').getpid()} on " in said, said
+        assert waiting.poll() is None and not out.exists()
     finally:
         holder.release()
     _, stderr = waiting.communicate(timeout=300)
@@ -296,8 +299,8 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
 
     import psutil
 
-    from elmo_core.embed import EmbedConfig
-    from elmo_core.ingest import IngestConfig, ingest
+    from elmo_core.embed import EmbedConfig, plan_units
+    from elmo_core.ingest import IngestConfig, ingest, shard_paths
 
     lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(WORDS * 40)]
     (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
@@ -332,6 +335,8 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
     workers = [p for p in family if "spawn_main" in cmdlines[p.pid]]
     assert len(workers) >= 2
     os.kill(workers[0].pid, signal.SIGKILL)
+    # counted after the kill, so at most what was done at it: the worker died with units left to do
+    assert len(list(out.glob("part-*.parquet"))) < len(plan_units(shard_paths(tmp_path / "ing"), 70))
     stdout, stderr = job.communicate(timeout=600)
     if job.returncode != 0:  # the lost unit may fail the run: a rerun does what is missing
         rerun = start()
