@@ -103,6 +103,11 @@ def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.result(raise_on_failure=False), ElmoError)
 
 
+# the project's one retry policy (``@task(**RETRIED)``): passing trouble (a locked file, a full disk freed meanwhile)
+# is retried twice, five seconds apart; a user's error is not
+RETRIED: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_unless_user_error}
+
+
 def run_main(flow_fn: Callable[..., Any], *args: Any) -> None:
     """Run a flow as a script: its summary on success; on failure its reason in one line and exit status 1."""
     import sys

@@ -26,27 +26,20 @@ from prefect.task_runners import ThreadPoolTaskRunner
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core import cpu
 from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, job_lock, prepare
-from flows.common import progress_over, retry_unless_user_error, run_main, stage
+from flows.common import RETRIED, progress_over, run_main, stage
 
 _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
 WORKER_KEYS = ("pid", "threads")  # what a unit's result says of the process that ran it
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@task(**RETRIED)
 @stage
 def prepare_embedding(config: EmbedConfig) -> dict[str, Any]:
     """Check the output folder, resolve the model (MLflow URIs too), tokenize text input, and plan the units."""
-    job = prepare(config)
-    return {
-        "model_dir": str(job.model_dir),
-        "model_id": job.model_id,
-        "target": str(job.target),
-        "work": str(job.work),
-        "units": [asdict(u) for u in job.units],
-    }
+    return prepare(config).to_record()
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error, tags=["elmo-embed-unit"])
+@task(**RETRIED, tags=["elmo-embed-unit"])
 def embed_unit(config: EmbedConfig, model_dir: str, model_id: str, target: str, unit: dict[str, Any]) -> dict[str, Any]:
     """One unit in, one Parquet file out (skipped if already written)."""
     key = config.model_dump_json() + model_id
@@ -59,20 +52,12 @@ def embed_unit(config: EmbedConfig, model_dir: str, model_id: str, target: str, 
     return {**result, "pid": os.getpid(), "threads": torch.get_num_threads()}
 
 
-@task(retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@task(**RETRIED)
 @stage
 def finish_embedding(
     config: EmbedConfig, prepared: dict[str, Any], results: list[dict[str, Any]], seconds: float
 ) -> dict[str, Any]:
-    job = Job(
-        config,
-        Path(prepared["model_dir"]),
-        prepared["model_id"],
-        [Unit(**u) for u in prepared["units"]],
-        Path(prepared["target"]),
-        Path(config.out),
-        Path(prepared["work"]),
-    )
+    job = Job.from_record(config, prepared)
     units = [UnitResult(**{k: v for k, v in r.items() if k not in WORKER_KEYS}) for r in results]
     summary = finish(job, units, seconds)
     out = Path(config.out).resolve()

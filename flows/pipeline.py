@@ -43,7 +43,8 @@ from elmo_core.options import (
 from elmo_core.tracking import MLflowTracker
 from elmo_core.train import describe_perplexity, evaluate_splits, export_checkpoint
 from elmo_core.vocab import build_vocab
-from flows.common import PROJECT_ROOT, fingerprint_files, mlflow_run_link, retry_unless_user_error, run_main, stage
+from elmo_core.weights import OPTIONS_NAME, WEIGHTS_NAME
+from flows.common import PROJECT_ROOT, RETRIED, fingerprint_files, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
 
 # The main job's defaults for the default corpus (prose paragraphs): the options a user's dict is laid over.
@@ -139,10 +140,6 @@ def _write_stamp(directory: Path, stamp: dict[str, Any]) -> None:
 # ----- tasks: one call into elmo_core each -----------------------------------------------------------------
 
 
-# passing trouble (a locked file, a full disk freed meanwhile) is retried; a user's error is not
-RETRIED = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_unless_user_error}
-
-
 @task(**RETRIED)
 def default_corpus(workdir: str) -> list[str]:
     path, paragraphs = write_default_corpus(Path(workdir) / "corpus" / "pydoc_topics.txt")
@@ -221,20 +218,37 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
 
 @task(**RETRIED)
 @stage
-def export_stage(run_dir: str, out: str) -> str:
-    step, checkpoint = export_checkpoint(run_dir, out)
-    get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
-    return out
+def export_stage(run_dir: str, out: str, fingerprint: str) -> str:
+    def work() -> dict[str, Any]:
+        step, checkpoint = export_checkpoint(run_dir, out)
+        get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
+        return {"model_dir": out, "step": step, "checkpoint": str(checkpoint)}
+
+    return _run_stage(Path(out), fingerprint, work)["model_dir"]
 
 
 @task
 @stage
-def evaluate_stage(model_dir: str, data: str, config: TrainConfig, run_id: str | None) -> dict[str, dict[str, float]]:
+def evaluate_stage(
+    model_dir: str, data: str, config: TrainConfig, run_id: str | None, out: str, fingerprint: str
+) -> dict[str, dict[str, float]]:
     """Full-softmax perplexity of the exported model on heldout and test, into the training's MLflow run as
-    ``heldout/…`` and ``test/…`` and into one artifact table."""
-    from elmo_core import BiLM
+    ``heldout/…`` and ``test/…`` (once per exported model: a rerun with nothing changed logs nothing again) and
+    into one artifact table."""
 
-    results = evaluate_splits(BiLM.from_pretrained(model_dir), data)
+    def work() -> dict[str, Any]:
+        from elmo_core import BiLM
+
+        scores = evaluate_splits(BiLM.from_pretrained(model_dir), data)
+        if run_id and config.tracking == "mlflow" and scores:
+            tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
+            try:
+                tracker.log_metrics({f"{split}/{k}": v for split, r in scores.items() for k, v in r.items()}, step=0)
+            finally:
+                tracker.close()
+        return scores
+
+    results = _run_stage(Path(out), fingerprint, work)
     table = [
         {
             "split": split,
@@ -251,12 +265,6 @@ def evaluate_stage(model_dir: str, data: str, config: TrainConfig, run_id: str |
         table=table,
         description="Perplexity of the exported model per split (full softmax; add-one unigram baseline of train)",
     )
-    if run_id and config.tracking == "mlflow" and results:
-        tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
-        try:
-            tracker.log_metrics({f"{split}/{k}": v for split, r in results.items() for k, v in r.items()}, step=0)
-        finally:
-            tracker.close()
     for split, result in results.items():
         get_run_logger().info("%s", describe_perplexity(result, split))
     return results
@@ -292,8 +300,19 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
             [vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.model_dump(mode="json", exclude={"wait"})
         ),
     )
-    model_dir = export_stage(str(train_dir), str(export_dir))
-    perplexity = evaluate_stage(model_dir, str(vocab_dir), train_config, trained["run_id"])
+    # export and evaluate skip as the stages before them do: the training's result (its run, steps and the step
+    # exported) is export's input, the exported files and the vocab's token ids are evaluate's
+    model_dir = export_stage(str(train_dir), str(export_dir), fingerprint_files([train_dir / "_stage.json"], trained))
+    perplexity = evaluate_stage(
+        model_dir,
+        str(vocab_dir),
+        train_config,
+        trained["run_id"],
+        str(workdir / "evaluate"),
+        fingerprint_files(
+            [export_dir / OPTIONS_NAME, export_dir / WEIGHTS_NAME, vocab_dir / "token_ids"], trained["run_id"]
+        ),
+    )
 
     embedded = None
     if params.probes:  # the probe sentences' own table, replaced whenever the model changes

@@ -19,10 +19,10 @@ import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.errors import ConfigError
 from elmo_core.options import TagConfig, WsdConfig
 from elmo_core.probe import results_table, run_tag, run_wsd
-from flows.common import retry_unless_user_error, run_main, stage
+from flows.common import RETRIED, run_main, stage
 
 
-@task(retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_user_error)
+@task(**{**RETRIED, "retries": 1})  # a probe is long: one retry
 @stage
 def probe_task(kind: str, config: WsdConfig | TagConfig) -> dict[str, Any]:
     results = run_wsd(config) if kind == "wsd" else run_tag(config)  # type: ignore[arg-type]

@@ -252,3 +252,14 @@ def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tm
     assert float(scored.stdout.split("perplexity: ")[1].split(" ")[0]) == pytest.approx(
         run.data.metrics["test/perplexity"], rel=1e-3
     )
+    # the same job again: every stage skips, export and evaluate too (nothing re-exported, re-scored or re-logged)
+    weights = tmp_path / "work" / "export" / "weights.hdf5"
+    exported = weights.stat().st_mtime_ns
+    again = run_module("flows.pipeline", json.dumps(params), env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    printed = again.stdout + again.stderr
+    for folder in ("ingest", "vocab", "train", "export", "evaluate"):
+        assert f"{folder}: inputs unchanged" in printed, folder
+    assert "exported step" not in printed and "test        perplexity" in printed  # the result is still reported
+    assert weights.stat().st_mtime_ns == exported
+    assert len(client.get_metric_history(run.info.run_id, "test/perplexity")) == 1
