@@ -16,6 +16,12 @@ class InputError(ElmoError):
     """Input data (a corpus file, a dataset folder, a vocabulary) is missing, empty or malformed."""
 
 
+class ConfigurationError(ConfigError, ValueError):
+    """A library call's argument is inconsistent (the message names the parameter). AllenNLP's name: where
+    ``elmo_core.allennlp.install()`` is in effect this is ``allennlp.common.checks.ConfigurationError``, which
+    downstream code catches; it is also a ``ValueError``."""
+
+
 class OutputError(ConfigError):
     """An output path cannot be used: it is a file, or a folder that belongs to another job."""
 

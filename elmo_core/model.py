@@ -45,7 +45,7 @@ from torch.nn.utils.rnn import PackedSequence
 from elmo_core import inference
 from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
-from elmo_core.errors import InputError, WeightFileError
+from elmo_core.errors import ConfigurationError, InputError, WeightFileError
 from elmo_core.inference import LstmState
 from elmo_core.kernels import Kernels, TrainingKernels, choose, choose_training
 from elmo_core.kernels.char_cnn import conv_max
@@ -272,9 +272,11 @@ class ElmoLstm(nn.Module):
         self.forward_layers = layers()
         self.backward_layers = layers()
         for lstm in self.all_layers():
-            lstm.bias_hh_l0.requires_grad_(False)
-            with torch.no_grad():
-                lstm.bias_hh_l0.copy_(forget_gate_bias(h))
+            # TensorFlow's constant forget-gate +1, held as a buffer: every parameter of the biLM trains, as in
+            # AllenNLP (code that optimizes or counts ``parameters()`` sees no frozen one); its state-dict key stays
+            del lstm.bias_hh_l0
+            lstm.register_buffer("bias_hh_l0", forget_gate_bias(h))
+            lstm._init_flat_weights()  # nn.LSTM's own forward (and cuDNN) reads the buffer, not the deleted parameter
         # nn.LSTM cannot clip: it runs (the default) only when both clips are off
         self.use_fused = (not config.clipped) if use_fused is None else use_fused
         if self.use_fused and config.clipped:
@@ -729,7 +731,9 @@ class ScalarMix(nn.Module):
         self.do_layer_norm = do_layer_norm
         values = list(initial_scalar_parameters) if initial_scalar_parameters is not None else [0.0] * mixture_size
         if len(values) != mixture_size:
-            raise InputError(f"--mix-weights has {len(values)} values; the model has {mixture_size} layers")
+            raise ConfigurationError(
+                f"ScalarMix: initial_scalar_parameters has {len(values)} values; mixture_size is {mixture_size}"
+            )
         self.scalar_parameters = nn.ParameterList(
             nn.Parameter(torch.tensor([float(v)]), requires_grad=trainable) for v in values
         )
@@ -741,7 +745,7 @@ class ScalarMix(nn.Module):
 
     def forward(self, tensors: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:
         if len(tensors) != self.mixture_size:
-            raise ValueError(f"{len(tensors)} tensors passed to a ScalarMix of size {self.mixture_size}")
+            raise ConfigurationError(f"{len(tensors)} tensors passed to a ScalarMix of size {self.mixture_size}")
         weights = torch.softmax(torch.cat(list(self.scalar_parameters)), dim=0)
         if self.do_layer_norm and mask is None:
             raise ValueError("do_layer_norm needs the mask")
@@ -751,6 +755,14 @@ class ScalarMix(nn.Module):
                 tensor = _masked_layer_norm(tensor, mask)  # type: ignore[arg-type]
             pieces.append(weight * tensor)
         return self.gamma * sum(pieces)
+
+
+def fixed_mix(n_layers: int, weights: Sequence[float] | None, gamma: float = 1.0) -> ScalarMix:
+    """The fixed mix a job's ``mix_weights`` option asks for (``elmo embed``, the probes); a wrong length names the
+    option, where a library call's error names ``ScalarMix``'s parameter."""
+    if weights is not None and len(weights) != n_layers:
+        raise InputError(f"mix_weights (--mix-weights) has {len(weights)} values; the model has {n_layers} layers")
+    return ScalarMix(n_layers, initial_scalar_parameters=weights, trainable=False, gamma=gamma)
 
 
 def _masked_layer_norm(tensor: Tensor, mask: Tensor) -> Tensor:

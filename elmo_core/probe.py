@@ -42,7 +42,7 @@ from torch import nn
 
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
-from elmo_core.model import BiLM, ScalarMix
+from elmo_core.model import BiLM, ScalarMix, fixed_mix
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
@@ -158,7 +158,7 @@ def embed_all(
 
 def mix_weights(n_layers: int, weights: list[float] | None) -> np.ndarray:
     """The fixed scalar mix's factor per layer (softmax of ``--mix-weights``; equal without), as ``elmo embed``."""
-    mix = ScalarMix(n_layers, initial_scalar_parameters=weights, trainable=False)
+    mix = fixed_mix(n_layers, weights)
     return mix.weights().detach().double().numpy()
 
 

@@ -16,7 +16,6 @@ import torch
 
 from elmo_core import BiLM
 from elmo_core.allennlp import (
-    DEFAULT_BATCH_SIZE,
     Elmo,
     ElmoEmbedder,
     ScalarMix,
@@ -24,6 +23,7 @@ from elmo_core.allennlp import (
     batch_to_ids,
     remove_sentence_boundaries,
 )
+from elmo_core.allennlp.commands import LAZY_SENTENCES
 from elmo_core.errors import ConfigError, InputError
 from tests.helpers import needs_native_bf16, run_elmo
 
@@ -132,20 +132,30 @@ def test_elmo_outputs_mask_boundaries_and_shapes(files):
 
 
 def test_layer_norm_uses_one_mean_and_variance_over_the_unmasked_batch(files):
+    """AllenNLP's ``_masked_layer_norm``: per layer, one mean and (biased) variance of every unmasked value in the
+    batch; here they come from torch's own ``mean`` / ``var`` of those values, and the mixed layers are compared
+    with ``torch.nn.functional.layer_norm`` of the same values at every unmasked position."""
     elmo = Elmo(*files, 1, dropout=0.0, do_layer_norm=True)
     ids = batch_to_ids(SENTENCES)
     with torch.no_grad():
         got = elmo(ids)["elmo_representations"][0]
         bilm_out = elmo._elmo_lstm(ids)
-    mask = bilm_out["mask"].unsqueeze(-1).float()
-    normed = []
+    keep = bilm_out["mask"].bool()
+    normed, flat = [], []
     for layer in bilm_out["activations"]:
-        n = mask.sum() * layer.shape[-1]
-        mean = (layer * mask).sum() / n
-        variance = (((layer - mean) * mask) ** 2).sum() / n
-        normed.append((layer - mean) / torch.sqrt(variance + 1e-13))
+        values = layer[keep]  # (unmasked tokens, dim)
+        normed.append((layer - values.mean()) / torch.sqrt(values.var(unbiased=False) + 1e-12))
+        flat.append(torch.nn.functional.layer_norm(values.reshape(-1), (values.numel(),), eps=1e-12))
     want, _ = remove_sentence_boundaries(sum(normed) / 3, bilm_out["mask"])
-    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, want, atol=1e-5)  # padding positions included, as AllenNLP computes them
+    mixed = (sum(flat) / 3).view(-1, got.shape[-1])  # unmasked rows, boundaries included, in order
+    inner = torch.zeros_like(keep)
+    inner[:, 1:-1] = keep[:, 2:]  # the rows that survive the boundaries' removal (each row's last is </S>)
+    kept, _ = remove_sentence_boundaries(inner.unsqueeze(-1).float(), bilm_out["mask"])
+    rows_kept = keep.clone()
+    rows_kept[torch.arange(len(keep)), keep.sum(1) - 1] = False  # </S>
+    rows_kept[:, 0] = False  # <S>
+    assert torch.allclose(got[kept.squeeze(-1).bool()], mixed[rows_kept[keep]], atol=1e-5)
 
 
 def test_dropout_runs_after_the_boundaries_are_removed_and_only_in_training(files):
@@ -290,8 +300,9 @@ def test_a_tagger_over_elmo_trains_and_the_bilm_learns_only_when_asked(files, re
         optimizer.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
-    bilm_grads = [p.grad for n, p in tagger.named_parameters() if "_bilm" in n and p.requires_grad]
-    assert bool(bilm_grads) == requires_grad and all(g is not None for g in bilm_grads)
+    bilm = [(n, p) for n, p in tagger.named_parameters() if "_bilm" in n]
+    assert bilm and all(p.requires_grad == requires_grad for _, p in bilm)  # every one of them, as in AllenNLP
+    assert [n for n, p in bilm if (p.grad is not None) != requires_grad] == []  # each learns only when asked
     assert tagger.elmo.scalar_mix_0.gamma.grad is not None
     restored = Tagger(files, requires_grad)
     restored.load_state_dict(tagger.state_dict(), strict=True)
@@ -311,11 +322,25 @@ def test_embedder_batches_sentences_and_files_as_allennlp_0_9(files, tmp_path):
     assert activations.shape == (4, 3, 5, 32) and mask.dtype == torch.long and mask.sum(1).tolist() == [5, 2, 0, 5]
     assert np.allclose(activations[0, :, :5].numpy(), vectors[0], atol=1e-6)
     assert np.allclose(embedder.embed_sentence(SENTENCES[0]), vectors[0], atol=1e-6)
-    lazy = embedder.embed_sentences(iter(SENTENCES * 3), batch_size=2)
-    assert not isinstance(lazy, list)
+    pulled: list[list[str]] = []
+
+    def sentences(n: int):
+        for i in range(n):
+            pulled.append(SENTENCES[i % 4])
+            yield SENTENCES[i % 4]
+
+    lazy = embedder.embed_sentences(sentences(12), batch_size=2)
+    assert pulled == []  # a generator, as AllenNLP's: nothing read before the first vector is asked for
     assert all(np.allclose(x, vectors[i % 4], atol=1e-6) for i, x in enumerate(lazy))
-    assert DEFAULT_BATCH_SIZE == 64 and embedder.cuda_device == -1
-    assert isinstance(embedder.elmo_bilm.to("cpu"), torch.nn.Module)
+    pulled.clear()
+    bounded = embedder.embed_sentences(sentences(LAZY_SENTENCES + 5))
+    next(bounded)
+    assert len(pulled) == LAZY_SENTENCES  # read ahead to sort by length, but bounded
+    pulled.clear()
+    in_order = ElmoEmbedder(*files, stateful=True).embed_sentences(sentences(200))
+    assert np.allclose(next(in_order), vectors[0], atol=1e-6)
+    assert len(pulled) == 64  # stateful: AllenNLP's batches of its default size, in the given order
+    assert embedder.cuda_device == -1
 
 
 @pytest.mark.parametrize("output_format", ["all", "top", "average"])
@@ -395,6 +420,13 @@ out = elmo(batch_to_ids([["I", "ate", "an", "apple"], ["Hi"]]))
 assert [r.shape for r in out["elmo_representations"]] == [torch.Size([2, 4, 32])] * 2 and Mix is ScalarMix
 embedder = allennlp.commands.elmo.ElmoEmbedder(__OPTIONS__, __WEIGHTS__, -1)
 assert embedder.embed_sentence(["Hi"]).shape == (3, 1, 32) and DEFAULT_OPTIONS_FILE.startswith("https://")
+from allennlp.common.checks import ConfigurationError
+try:  # downstream code catches AllenNLP's ConfigurationError around a wrongly sized mix
+    ScalarMix(3, initial_scalar_parameters=[0.0])
+except ConfigurationError as e:
+    assert isinstance(e, ValueError) and "initial_scalar_parameters" in str(e) and "--" not in str(e)
+else:
+    raise AssertionError("no ConfigurationError")
 print("ran", type(elmo).__module__)
 """
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from elmo_core import ScalarMix
+from elmo_core.errors import ConfigurationError, InputError
+from elmo_core.model import fixed_mix
 
 
 def _reference(
@@ -42,6 +44,12 @@ def test_defaults_are_the_plain_average_and_trainable():
     assert all(p.requires_grad for p in mix.parameters())
 
 
-def test_wrong_number_of_layers():
-    with pytest.raises(ValueError, match="2 tensors passed to a ScalarMix of size 3"):
+def test_wrong_number_of_layers_names_the_parameter_and_is_a_value_error():
+    with pytest.raises(ConfigurationError, match="2 tensors passed to a ScalarMix of size 3") as raised:
         ScalarMix(3)([torch.zeros(1), torch.zeros(1)])
+    assert isinstance(raised.value, ValueError)
+    with pytest.raises(ValueError, match=r"^ScalarMix: initial_scalar_parameters has 2 values; mixture_size is 3$"):
+        ScalarMix(3, initial_scalar_parameters=[0.0, 1.0])
+    # a job's option names the option (and its flag)
+    with pytest.raises(InputError, match=r"^mix_weights \(--mix-weights\) has 2 values; the model has 3 layers$"):
+        fixed_mix(3, [0.0, 1.0])

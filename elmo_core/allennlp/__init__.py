@@ -29,6 +29,7 @@ from elmo_core.allennlp.commands import (
     ElmoEmbedder,
 )
 from elmo_core.allennlp.modules import Elmo, ScalarMix, _ElmoBiLm, batch_to_ids, remove_sentence_boundaries
+from elmo_core.errors import ConfigurationError
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -64,6 +65,8 @@ SURFACE = {
         "DEFAULT_BATCH_SIZE": DEFAULT_BATCH_SIZE,
         "batch_to_ids": batch_to_ids,
     },
+    "allennlp.common": {},
+    "allennlp.common.checks": {"ConfigurationError": ConfigurationError},
     "allennlp.nn": {},
     "allennlp.nn.util": {"remove_sentence_boundaries": remove_sentence_boundaries},
 }

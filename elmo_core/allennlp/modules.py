@@ -90,8 +90,6 @@ class _ElmoBiLm(nn.Module):
         self._bilm.softmax = None  # AllenNLP's biLM has no softmax; neither do its state dicts
         for parameter in self._bilm.parameters():
             parameter.requires_grad_(requires_grad)
-        for lstm in self._bilm.lstm.all_layers():
-            lstm.bias_hh_l0.requires_grad_(False)  # the forget gate's constant +1
         self.num_layers = self._bilm.num_layers
         self._precision, self._stateful = precision, stateful
         self._carry = AllenNLPStateCarry()
