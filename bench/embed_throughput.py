@@ -1,16 +1,17 @@
 """Throughput of ``BiLM.embed_sentences`` in fp32 and bf16 next to AllenNLP's ELMo and a matmul roofline, in one run.
 
     .venv/bin/python bench/embed_throughput.py [--shapes small,original] [--repeats 5] [--no-allennlp] [--onednn-verbose]
+                                               [--precisions fp32,bf16,int8]
 
 For each shape, random bilm-tf-initialised weights written as options.json + weights.hdf5, and two workloads:
 * uniform: 64 sentences of 10-40 tokens drawn from a Zipfian vocabulary of made-up words;
 * long-tailed: 96 sentences of real English (Python's pydoc topics, the unicode tokenizer) with their natural
   length spread (a few long sentences among many short ones).
-Printed per workload: tokens/s of ours in fp32 and bf16 (median of repeats, the precisions alternating), of
+Printed per workload: tokens/s of ours in fp32, bf16 and int8 (median of repeats, the precisions alternating), of
 AllenNLP 2.10.1's ``_ElmoBiLm`` on the same files (its own venv; batches of 64 as its ``ElmoEmbedder``), the
 largest |difference| between AllenNLP's activations and our fp32 ones, fp32 GFLOP/s against ``torch.matmul``
 measured in the same process, and the accuracy of bf16 against fp32 per layer on the real text (worst cosine,
-0.1% quantile, max and mean absolute error).
+0.1% quantile, max and mean absolute error), and of int8 likewise.
 """
 
 from __future__ import annotations
@@ -119,11 +120,11 @@ def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
 
 
 def time_ours(
-    bilm: BiLM, sentences: list[list[str]], repeats: int
+    bilm: BiLM, sentences: list[list[str]], repeats: int, precisions: list[str]
 ) -> tuple[dict[str, float], dict[str, list[np.ndarray]]]:
-    """Median seconds per precision, the precisions alternating so both see the same machine; and the vectors."""
-    vectors = {p: bilm.embed_sentences(sentences, precision=p) for p in ("fp32", "bf16")}  # warm-up
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    """Median seconds per precision, the precisions alternating so all see the same machine; and the vectors."""
+    vectors = {p: bilm.embed_sentences(sentences, precision=p) for p in precisions}  # warm-up
+    times: dict[str, list[float]] = {p: [] for p in precisions}
     for _ in range(repeats):
         for p in times:
             start = time.perf_counter()
@@ -133,7 +134,7 @@ def time_ours(
 
 
 def accuracy(exact: list[np.ndarray], fast: list[np.ndarray]) -> list[str]:
-    """Per layer: worst and 0.1%-quantile per-token cosine of bf16 to fp32, max and mean absolute error."""
+    """Per layer: worst and 0.1%-quantile per-token cosine to fp32, max and mean absolute error."""
     lines = []
     for layer in range(exact[0].shape[0]):
         a, b = np.concatenate([x[layer] for x in exact]), np.concatenate([x[layer] for x in fast])
@@ -181,7 +182,9 @@ def main() -> None:
     parser.add_argument("--no-allennlp", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--onednn-verbose", action="store_true", help="print oneDNN's kernel log of one bf16 batch")
+    parser.add_argument("--precisions", default="fp32,bf16,int8", help="ours, timed alternating (fp32 always)")
     args = parser.parse_args()
+    precisions = ["fp32", *(p for p in args.precisions.split(",") if p and p != "fp32")]
 
     torch.set_grad_enabled(False)
     workloads = {"uniform": make_sentences(), "long-tailed": real_sentences()}
@@ -196,8 +199,8 @@ def main() -> None:
             f"{lengths[len(lengths) // 2]}), {len(batches)} batches"
         )
     header = (
-        f"{'shape':<9}{'workload':<13}{'fp32 tok/s':>11}{'bf16 tok/s':>11}{'bf16/fp32':>10}{'AllenNLP':>10}"
-        f"{'fp32/AN':>9}{'bf16/AN':>9}{'|fp32-AN|':>11}{'fp32 GF/s':>10}{'roofline':>9}"
+        f"{'shape':<9}{'workload':<13}{'fp32 tok/s':>11}{'bf16 tok/s':>11}{'bf16/fp32':>10}{'int8 tok/s':>11}"
+        f"{'int8/fp32':>10}{'AllenNLP':>10}{'fp32/AN':>9}{'|fp32-AN|':>11}{'fp32 GF/s':>10}{'roofline':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -212,11 +215,11 @@ def main() -> None:
             fresh.save_pretrained(str(model_dir))
             del fresh
             bilm = BiLM.from_pretrained(str(model_dir), device=args.device)
-            notes += [f"{shape} kernels: {bilm.prepare(p)}" for p in ("bf16", "fp32")]  # what ran, fp32 kept
+            notes += [f"{shape} kernels: {bilm.prepare(p)}" for p in [*precisions[1:], "fp32"]]  # fp32 kept
             for name, sentences in workloads.items():
                 n_tokens = sum(len(s) for s in sentences)
-                seconds, vectors = time_ours(bilm, sentences, args.repeats)
-                tps = {p: n_tokens / s for p, s in seconds.items()}
+                seconds, vectors = time_ours(bilm, sentences, args.repeats, precisions)
+                tps = {p: n_tokens / seconds[p] if p in seconds else float("nan") for p in ("fp32", "bf16", "int8")}
                 gflops = model_flops(config, sentences) / seconds["fp32"] / 1e9
                 base_tps, diff = float("nan"), float("nan")
                 if not args.no_allennlp:
@@ -228,13 +231,15 @@ def main() -> None:
                         diff = max(float(np.abs(a - b).max()) for a, b in zip(baseline[1], vectors["fp32"]))
                 print(
                     f"{shape:<9}{name:<13}{tps['fp32']:>11,.0f}{tps['bf16']:>11,.0f}{tps['bf16'] / tps['fp32']:>9.2f}x"
-                    f"{base_tps:>10,.0f}{tps['fp32'] / base_tps:>8.1f}x{tps['bf16'] / base_tps:>8.1f}x{diff:>11.1e}"
+                    f"{tps['int8']:>11,.0f}{tps['int8'] / tps['fp32']:>9.2f}x"
+                    f"{base_tps:>10,.0f}{tps['fp32'] / base_tps:>8.1f}x{diff:>11.1e}"
                     f"{gflops:>10.1f}{100 * gflops / roofline:>8.0f}%"
                 )
                 if name == "long-tailed":
                     notes += [
-                        f"{shape} bf16 vs fp32 on real text, {line}"
-                        for line in accuracy(vectors["fp32"], vectors["bf16"])
+                        f"{shape} {p} vs fp32 on real text, {line}"
+                        for p in precisions[1:]
+                        for line in accuracy(vectors["fp32"], vectors[p])
                     ]
             if args.onednn_verbose:
                 with onednn_verbose(True):

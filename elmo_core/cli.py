@@ -214,7 +214,7 @@ def cmd_info(config: InfoConfig) -> None:
 
     from elmo_core import cpu
     from elmo_core.config import preset
-    from elmo_core.kernels import choice, fused_gates, packed
+    from elmo_core.kernels import choice, fused_gates, int8, packed
     from elmo_core.precision import choose_precision
 
     print(cpu.describe())
@@ -225,6 +225,8 @@ def cmd_info(config: InfoConfig) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         works, why_not = packed.packing(dtype)
         print(f"oneDNN packed products in {str(dtype).removeprefix('torch.')}: {'yes' if works else f'no ({why_not})'}")
+    works, why_not = int8.int8()
+    print(f"int8 products (precision int8): {why_not if works else f'no ({why_not})'}")
     print(f"C kernels (LSTM gates, char CNN backward): {fused_gates.describe()}")
     if config.model is None:
         print(f"kernels of the original shape: {choice.choose(torch.device('cpu'), auto, preset('original').lstm)}")
@@ -236,7 +238,9 @@ def cmd_info(config: InfoConfig) -> None:
     bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)))
     cfg = bilm.config
     n_params = sum(
-        p.numel() for n, p in bilm.named_parameters() if not n.endswith("bias_hh_l0") and not n.startswith("softmax")
+        p.numel()
+        for n, p in bilm.named_parameters()
+        if not n.startswith("softmax")  # the forget +1 is a buffer
     )
     print(
         f"{config.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, "

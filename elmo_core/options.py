@@ -25,7 +25,9 @@ from elmo_core.tokenize import TokenizerName
 
 log = logging.getLogger(__name__)
 
-Precision = Literal["auto", "fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16"]  # training's
+# inference's: int8 runs the LSTM step's products on int8 weights (CPU only; about 2x fp32 where bf16 is emulated)
+InferencePrecision = Literal["fp32", "bf16", "int8"]
 
 
 class Options(BaseModel):
@@ -283,8 +285,10 @@ class EmbedOptions(Options):
         False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)"
     )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="fp32 (bilm-tf exact) or bf16 (matmuls in bfloat16, cell state in fp32)"
+    precision: InferencePrecision = Field(
+        "fp32",
+        description="fp32 (bilm-tf exact), bf16 (matmuls in bfloat16, cell state in fp32) or int8 (CPU: the LSTM "
+        "step's products on int8 weights)",
     )
     bf16: bool | None = Field(None, description="deprecated: use --precision bf16")
     overwrite: bool = Field(
@@ -367,7 +371,7 @@ class AllennlpElmoConfig(Options):
     forget_sentences: bool = Field(False, description="leave out the sentence_to_index dataset")
     use_sentence_keys: bool = Field(False, description="key datasets by the sentence instead of its line number")
     stateful: bool = Field(False, description="carry the LSTM state from batch to batch, as AllenNLP did")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="fp32 (exact) or bf16 (faster)")
+    precision: InferencePrecision = Field("fp32", description="fp32 (exact), bf16 or int8 (CPU; faster)")
 
 
 class DemoConfig(Options):
@@ -385,7 +389,7 @@ class DemoConfig(Options):
 class ProbeOptions(Options):
     """What every probe shares: how the vectors are made and where the run is tracked."""
 
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="precision of the embedding step")
+    precision: InferencePrecision = Field("fp32", description="precision of the embedding step")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="log the probe as an MLflow run, or not")
     mlflow_experiment: str = Field("elmo-probe", description="MLflow experiment name")

@@ -11,6 +11,9 @@ AVX2-only EPYC. So ``bf16`` is refused there in one line that gives the slowdown
 timed both ways), and ``auto`` takes fp32; ``ELMO_ALLOW_EMULATED_BF16=1`` runs it anyway (to check a bf16 config on
 a laptop before a GPU run), with that line as a warning. ``cpu.py``'s ``ELMO_CPU_ISA=avx2`` makes a CPU with bf16
 behave as one without (how the tests and CI exercise this path anywhere).
+
+``int8`` (inference on the CPU only, never chosen by ``auto``): the LSTM step's products on int8 weights, about 2x
+fp32 on the original shape where bf16 is not native (``kernels/int8.py``); training takes fp32 or bf16.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from elmo_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")  # int8: CPU inference only (``kernels/int8.py``)
 
 
 def pick_device(name: str) -> torch.device:
@@ -127,6 +130,8 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
     device_type = torch.device(device).type
     if precision == "auto":
         return choose_precision(precision, device)[0]
+    if precision == "int8":
+        _check_int8(device_type)
     if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
         if os.environ.get(ALLOW_EMULATED_BF16) != "1":
             raise PrecisionError(_emulated_bf16_line())
@@ -134,6 +139,20 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
             _warned.add("cpu")
             log.warning("%s (running it: %s=1)", _emulated_bf16_line(), ALLOW_EMULATED_BF16)
     return precision
+
+
+def _check_int8(device_type: str) -> None:
+    """int8 runs CPU inference's per-step products on int8 weights; elsewhere, or where this torch has no dynamic
+    int8 products, it is refused in one line."""
+    if device_type != "cpu":
+        raise PrecisionError(
+            f"precision int8: CPU inference only (dynamic int8 products); on {device_type} use fp32 or bf16"
+        )
+    from elmo_core.kernels.int8 import int8
+
+    works, why = int8()
+    if not works:
+        raise PrecisionError(f"precision int8: {why}; use precision fp32")
 
 
 def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:

@@ -45,7 +45,7 @@ def test_the_override_makes_the_cpu_look_avx2_only_to_the_project(monkeypatch):
     assert "AVX-512 no, avx512_bf16 no, AMX no" in facts.line() and "ELMO_CPU_ISA=avx2" in facts.line()
     if X86:
         assert "-march=x86-64-v3" in fused_gates._flags()  # the C kernels are built for an AVX2 CPU
-    assert choice.offered_precisions("cpu") == ("fp32",)
+    assert choice.offered_precisions("cpu")[0] == "fp32" and "bf16" not in choice.offered_precisions("cpu")
     works, why = packed.packing(torch.bfloat16)
     assert not works and "bfloat16" in why
     monkeypatch.setenv("ELMO_CPU_ISA", "avx1024")
@@ -83,7 +83,9 @@ def test_the_original_shape_runs_in_every_precision_the_chooser_offers_here():
     vectors = {}
     for precision in choice.offered_precisions("cpu"):
         kernels = bilm.prepare(precision)
-        if packed.packing_available(torch.bfloat16 if precision == "bf16" else torch.float32):
+        if precision == "int8":
+            assert "LSTM step products in int8 yes (hh, hr, cat)" in str(kernels)
+        elif packed.packing_available(torch.bfloat16 if precision == "bf16" else torch.float32):
             assert "packed for oneDNN yes (hh, hr, cat)" in str(kernels)  # the products that crashed, packed
         vectors[precision] = bilm.embed_sentences(SENTENCES, precision=precision)
         assert [v.shape for v in vectors[precision]] == [(3, len(s), 1024) for s in SENTENCES]
@@ -126,7 +128,8 @@ def test_elmo_embed_in_bf16_on_a_cpu_without_it_is_one_line_before_any_work(tmp_
     assert not out.exists() and not list(tmp_path.glob(".emb*"))  # nothing written, nothing to clean
     info = run_elmo("info", env=_env(ELMO_CPU_ISA="avx2"))
     assert info.returncode == 0, info.stderr
-    assert "precisions on the CPU: fp32; auto is fp32" in info.stdout and "bf16 refused here" in info.stdout
+    assert "precisions on the CPU: fp32, int8; auto is fp32" in info.stdout and "bf16 refused here" in info.stdout
+    assert "int8 products (precision int8): dynamic int8 products" in info.stdout
     assert "AVX-512 no" in info.stdout and "(behaving as an AVX2-only CPU: ELMO_CPU_ISA=avx2)" in info.stdout
 
 

@@ -10,6 +10,8 @@ It computes what ``model.LstmCell`` (the reference) computes, with the weights p
 * **bf16**: bfloat16 weights with float32 accumulation, cell state and gate arithmetic; the g-gate rows scaled by 2
   so that one sigmoid serves all four gates (tanh(x) = 2 sigmoid(2x) - 1); each step's input always fused with
   the state (10-18% faster on the small shape than separate input gates).
+* **int8**: as fp32, with every per-step product (input with state, recurrent, projection) on int8 weights with
+  activations quantized per call (``int8.py``); layer 0's per-word input gates, the gates and the state stay fp32.
 
 The gate arithmetic of a step runs as one C loop where it could be built (``fused_gates.py``), else as PyTorch ops.
 Layer 0 reads its input gates per distinct word (``word_steps``): one product per word, not per token.
@@ -25,7 +27,9 @@ from torch import Tensor, nn
 
 from elmo_core.kernels import fused_gates
 from elmo_core.kernels.cache import WeightCache
+from elmo_core.kernels.int8 import Int8Weights
 from elmo_core.kernels.packed import PackedWeights
+from elmo_core.lstm_math import reference_gates, stacked
 
 
 @dataclass
@@ -45,7 +49,7 @@ class StepInput:
 
 
 def _stacked(pair: Sequence[nn.LSTM], name: str) -> Tensor:
-    return torch.stack([getattr(lstm, name).detach() for lstm in pair])
+    return stacked(pair, name).detach()
 
 
 def _plus(products: Tensor | Sequence[Tensor], add: Tensor) -> Tensor:
@@ -63,12 +67,8 @@ def _plus(products: Tensor | Sequence[Tensor], add: Tensor) -> Tensor:
 
 
 def _gates_fp32(z: Tensor, c: Tensor, hidden: int, cell_clip: float | None) -> tuple[Tensor, Tensor]:
-    """TensorFlow's LSTMCell on float32 pre-activations z (2, rows, 4H), gates i, f, g, o: (m, clipped c)."""
-    i, f, g, o = z.split(hidden, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    if cell_clip is not None:
-        c = c.clamp(-cell_clip, cell_clip)
-    return torch.sigmoid(o) * torch.tanh(c), c
+    """The reference arithmetic (``lstm_math.reference_gates``) on float32 pre-activations z (2, rows, 4H)."""
+    return reference_gates(z, c, cell_clip)
 
 
 def _gates_one_sigmoid(z: Tensor, c: Tensor, hidden: int, cell_clip: float | None) -> tuple[Tensor, Tensor]:
@@ -98,22 +98,24 @@ class CpuCell:
         cache: WeightCache,
         min_packed: int | None,
         gate_kernel: bool,
+        int8: bool = False,
     ) -> None:
         self.hidden, (self.cell_clip, self.proj_clip) = pair[0].hidden_size, clips
         self.dtype, self.gate_kernel = dtype, gate_kernel
         bf16 = dtype == torch.bfloat16
         self.g_scale = 0.5 if bf16 else 1.0  # bf16 weights carry the g-gate factor 2; the C loop undoes it
         self.gates = _gates_one_sigmoid if bf16 else _gates_fp32
-        kind = "bf16" if bf16 else "fp32"
+        kind = "bf16" if bf16 else "int8" if int8 else "fp32"
+        pack = Int8Weights if int8 else PackedWeights  # int8: the "packed" products are dynamic int8 ones
         self.w_ih_t, self.bias, self.w_hh_t, self.w_hr_t = cache.get(pair, kind, lambda: self._weights(pair))
         # the projection's input comes from the C loop in bf16; without a projection m is h, kept float32
         self.m_dtype = torch.bfloat16 if bf16 and self.w_hr_t is not None else torch.float32
 
-        def packed(name: str, elements: int, make_w_t: Callable[[], Tensor]) -> PackedWeights | None:
-            """The weight packed once (only the packed copy is kept), or None where bmm serves."""
+        def packed(name: str, elements: int, make_w_t: Callable[[], Tensor]) -> PackedWeights | Int8Weights | None:
+            """The weight packed (or quantized) once (only that copy is kept), or None where bmm serves."""
             if min_packed is None or elements == 0 or elements < min_packed:
                 return None
-            return cache.get(pair, f"{kind}-{name}-packed", lambda: PackedWeights(make_w_t().transpose(1, 2)))
+            return cache.get(pair, f"{kind}-{name}-packed", lambda: pack(make_w_t().transpose(1, 2)))
 
         hh, hr = self.w_hh_t[0].numel(), self.w_hr_t[0].numel() if self.w_hr_t is not None else 0
         self.packed_hh = packed("hh", hh, lambda: self.w_hh_t)

@@ -19,10 +19,21 @@ from torch import nn
 
 from elmo_core import cpu
 from elmo_core.config import LstmConfig
-from elmo_core.kernels import char_cnn, fused_gates, packed, trained_step
+from elmo_core.kernels import char_cnn, fused_gates, int8, packed, trained_step
 from elmo_core.kernels.cache import WeightCache
 from elmo_core.kernels.cells import CpuCell
 from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, native_bf16, resolve_precision
+
+NN_LSTM = "PyTorch's nn.LSTM (cuDNN on a GPU; the model has no clips, which nn.LSTM cannot do)"
+
+
+def runs_nn_lstm(lstm: LstmConfig, precision: str, forced: bool | None) -> bool:
+    """Whether a model's LSTM layers run as PyTorch's own ``nn.LSTM``: by default where the model has no clips (and
+    the precision is not int8, whose products only the CPU cells run); ``forced`` True on a clipped model is an
+    error, False keeps the cells."""
+    if forced and lstm.clipped:
+        raise ValueError("nn.LSTM cannot clip: set cell_clip and proj_clip to null to run it")
+    return (not lstm.clipped and precision != "int8") if forced is None else forced
 
 
 @dataclass(frozen=True)
@@ -32,12 +43,14 @@ class Kernels:
     ``cpu_cells``: the LSTM steps run ``cells.CpuCell`` (weights prepared once; else ``model.LstmCell``, the
     reference, as on CUDA). ``min_packed``: weights of at least this many elements per direction run their per-step
     products on oneDNN-packed copies (None: never). ``gate_kernel``: the gate arithmetic runs in C.
-    ``packed_weights`` names which of this model's weights that makes, for the log.
+    ``packed_weights`` names which of this model's weights that makes, for the log. In ``int8`` the "packed"
+    weights are int8 ones (``kernels.int8``), every per-step product's.
     """
 
     device: str
     precision: str
     cpu_cells: bool
+    nn_lstm: bool = False  # the LSTM layers run PyTorch's nn.LSTM (cuDNN on a GPU): a model without clips
     min_packed: int | None = None
     gate_kernel: bool = False
     packed_weights: str = ""
@@ -45,12 +58,19 @@ class Kernels:
     cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
 
     def __str__(self) -> str:
+        if self.nn_lstm:
+            return f"precision {self.precision} on {self.device}: {NN_LSTM}"
         if not self.cpu_cells:
             return f"precision {self.precision} on {self.device}: the reference LSTM cell (PyTorch ops, autocast)"
+        products = (
+            f"LSTM step products in int8 {self.packed_weights} ({int8.int8()[1]})"
+            if self.precision == "int8"
+            else f"LSTM step weights packed for oneDNN {self.packed_weights}"
+        )
         return (
             f"precision {self.precision} on {self.device}: {cpu.facts().line()}, torch CPU kernels "
             f"{cpu_capability()}, native bf16 "
-            f"{'yes' if cpu_has_native_bf16() else 'no'}, LSTM step weights packed for oneDNN {self.packed_weights}, "
+            f"{'yes' if cpu_has_native_bf16() else 'no'}, {products}, "
             f"LSTM gates fused in C {self.gate_kernel_note}"
         )
 
@@ -69,6 +89,7 @@ class Kernels:
             cache=self.cache,
             min_packed=self.min_packed,
             gate_kernel=self.gate_kernel,
+            int8=self.precision == "int8",
         )
 
     def token_encoder(self, encoder: nn.Module) -> nn.Module:
@@ -80,9 +101,11 @@ class Kernels:
 
 
 def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
-    """The precisions inference on ``device`` runs usefully (``elmo info`` lists them; ``auto`` picks the last):
-    fp32 everywhere, bf16 where the device computes it natively (elsewhere it is refused, ``precision.py``)."""
-    return ("fp32", "bf16") if native_bf16(device)[0] else ("fp32",)
+    """The precisions inference on ``device`` runs usefully (``elmo info`` lists them): fp32 everywhere, bf16 where
+    the device computes it natively (elsewhere it is refused, ``precision.py``), int8 on a CPU whose torch runs
+    dynamic int8 products (``int8.py``). ``auto`` never picks int8: it is not exact, so it is asked for."""
+    offered = ("fp32", "bf16") if native_bf16(device)[0] else ("fp32",)
+    return (*offered, "int8") if torch.device(device).type == "cpu" and int8.int8()[0] else offered
 
 
 def choose(
@@ -93,18 +116,25 @@ def choose(
     cpu_cells: bool | None = None,
     min_packed: int | None | str = "auto",
     gate_kernel: bool | None = None,
+    nn_lstm: bool | None = None,
 ) -> Kernels:
-    """The kernels for a model of ``lstm``'s shape on ``device``: on the CPU the prepared cells, oneDNN-packed
-    products for weights from ``packed.MIN_ELEMENTS`` up, and the C gate kernel where it builds; on CUDA the
-    reference. Each choice can be forced (the tests run every combination); ``ELMO_NO_PACKED_WEIGHTS=1`` and
-    ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off."""
+    """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
+    else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
+    gate kernel where it builds; on CUDA the reference. Each choice can be forced (the tests run every combination);
+    ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off."""
     precision = resolve_precision(precision, device)
+    if runs_nn_lstm(lstm, precision, nn_lstm):
+        return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
         return Kernels(device.type, precision, cpu_cells=False)
-    can_pack, why_not = packed.packing(torch.bfloat16 if precision == "bf16" else torch.float32)
+    if precision == "int8":  # every per-step product on int8 weights, at any size (resolve_precision probed it)
+        can_pack, why_not, smallest = True, "", 0
+    else:
+        can_pack, why_not = packed.packing(torch.bfloat16 if precision == "bf16" else torch.float32)
+        smallest = packed.MIN_ELEMENTS
     if min_packed == "auto":
-        min_packed = packed.MIN_ELEMENTS if can_pack else None
+        min_packed = smallest if can_pack else None
     elif min_packed is not None and not can_pack:
         min_packed = None
     if gate_kernel is False:
@@ -134,17 +164,20 @@ class TrainingKernels:
     note: str = ""
     sparse_char_cnn: bool = False
     char_cnn_note: str = ""
+    nn_lstm: bool = False  # the LSTM layers run PyTorch's nn.LSTM: a model without clips
 
     def __str__(self) -> str:
-        how = (
-            "each step one autograd node, its gates in C forward and backward"
-            if self.one_node
-            else f"PyTorch ops {self.note}"
-        )
         cnn = (
             "oneDNN's convolution, its backward in C at each max's position only"
             if self.sparse_char_cnn
             else f"oneDNN's convolution and its dense backward {self.char_cnn_note}"
+        )
+        if self.nn_lstm:
+            return f"training on {self.device}: {NN_LSTM}; char CNN: {cnn}"
+        how = (
+            "each step one autograd node, its gates in C forward and backward"
+            if self.one_node
+            else f"PyTorch ops {self.note}"
         )
         return (
             f"training on {self.device}: the reference LSTM cell (PyTorch products, autocast), {how}; char CNN: {cnn}"
@@ -155,19 +188,28 @@ class TrainingKernels:
 
 
 def choose_training(
-    device: torch.device, *, one_node: bool | None = None, sparse_char_cnn: bool | None = None
+    device: torch.device,
+    lstm: LstmConfig,
+    *,
+    one_node: bool | None = None,
+    sparse_char_cnn: bool | None = None,
+    nn_lstm: bool | None = None,
 ) -> TrainingKernels:
-    """On the CPU one node per LSTM step with the C gates and the char CNN's sparse backward, where the C loops
-    build (``ELMO_NO_FUSED_GATES=1`` turns them off; ``one_node`` and ``sparse_char_cnn`` force either off); on
-    CUDA the reference, whose launches run asynchronously ahead of the GPU."""
+    """For a model without clips PyTorch's ``nn.LSTM``. Else on the CPU one node per LSTM step with the C gates,
+    where the C loops build (``ELMO_NO_FUSED_GATES=1`` turns them off; ``one_node`` forces it off); on CUDA the
+    reference, whose launches run asynchronously ahead of the GPU. On the CPU the char CNN's sparse backward where it
+    builds (``sparse_char_cnn`` forces it off)."""
     if device.type != "cpu":
-        return TrainingKernels(device.type, False, "(not a CPU)", False, "(not a CPU)")
+        fused = runs_nn_lstm(lstm, "fp32", nn_lstm)
+        return TrainingKernels(device.type, False, "(not a CPU)", False, "(not a CPU)", nn_lstm=fused)
     steps, steps_note = False, "(not chosen)"
     if one_node is not False:
         steps, steps_note = trained_step.available(), f"(the C loops: {trained_step.describe()})"
     cnn, cnn_note = False, "(not chosen)"
     if sparse_char_cnn is not False:
         cnn, cnn_note = char_cnn.available(), f"(the C backward: {char_cnn.describe()})"
+    if runs_nn_lstm(lstm, "fp32", nn_lstm):
+        return TrainingKernels(device.type, False, "(nn.LSTM)", cnn, cnn_note, nn_lstm=True)
     return TrainingKernels(device.type, steps, steps_note, cnn, cnn_note)
 
 

@@ -1,0 +1,74 @@
+"""int8 products for CPU inference (``precision: int8``): the LSTM step's per-step products on int8 weights.
+
+Why: on CPUs without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake) fp32 is otherwise the fastest
+path, and the per-step products are most of an original-shape call. PyTorch's dynamic quantization runs them on
+int8 weights (per output channel, quantized once per weight version) with each call's activations quantized per
+tensor on the fly, through fbgemm (AVX2, AVX-512 VNNI) or oneDNN: 1.9-2.0x fp32 on the original shape, measured
+(``bench/int8_inference.py``), with a per-token cosine to fp32 of at least 0.999 at the 0.1% quantile in every layer
+on real text. The layer-0 input gates (once per distinct word), the bias, the gates and the cell state stay float32.
+
+On x86 the activations use 7 bits (``reduce_range``): fbgemm's AVX2 products sum pairs of int8 x uint8 in int16,
+which 8-bit activations can saturate. PyTorch 2.13 marks the quantized tensors these ops rest on as deprecated: the
+warning is expected here and silenced where the weights are made; a torch without the ops has no int8 (``int8``
+says why, once), and ``precision: int8`` is then refused in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_DEPRECATED = ".*quantiz.*deprecated"
+
+
+def _quantized_engine() -> str:
+    return torch.backends.quantized.engine
+
+
+@lru_cache(maxsize=1)
+def int8() -> tuple[bool, str]:
+    """Whether this torch runs dynamic int8 products on this CPU, and why not: one tiny product, checked once
+    against float32 (a wrong result, a missing op or an engine that refuses the CPU each say so)."""
+    try:
+        w = torch.linspace(-1, 1, 64).view(8, 8)
+        x = torch.linspace(1, -1, 24).view(3, 8)
+        got = Int8Weights(w.unsqueeze(0)).products(x.unsqueeze(0))[0]
+    except (AttributeError, RuntimeError) as exc:  # the ops removed, or no quantized engine for this CPU
+        log.debug("dynamic int8 products unavailable: %s", exc)
+        return False, f"no dynamic int8 products in this torch here: {str(exc).splitlines()[0][:120]}"
+    error = float((got - x @ w.T).abs().max())
+    if error > 0.05:
+        return False, f"the int8 product gave wrong numbers here (error {error:.3g})"
+    return True, f"dynamic int8 products ({_quantized_engine()} engine)"
+
+
+class Int8Weights:
+    """``kernels.packed.PackedWeights``' interface on int8 weights: ``products(x (D, rows, K))`` → per direction
+    x @ W.T (rows, N) in float32, for ``weights`` (D, N, K) in ``nn.Linear``'s layout."""
+
+    def __init__(self, weights: Tensor) -> None:
+        self.reduce_range = _quantized_engine() in ("x86", "fbgemm")  # AVX2's int16 sums (module docstring)
+        self.packed = []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATED)
+            for w in weights.detach().float().unbind(0):
+                scale = (w.abs().amax(1).clamp_min(1e-8) / 127).double()  # symmetric, per output channel
+                zero = torch.zeros(w.shape[0], dtype=torch.long)
+                q = torch.quantize_per_channel(w.contiguous(), scale, zero, 0, torch.qint8)
+                self.packed.append(torch.ops.quantized.linear_prepack(q, None))
+        self.out_features = weights.shape[1]
+
+    def products(self, x: Tensor) -> list[Tensor]:
+        return [
+            torch.ops.quantized.linear_dynamic(x[d].float().contiguous(), packed, self.reduce_range)
+            for d, packed in enumerate(self.packed)
+        ]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.stack(self.products(x))

@@ -1,0 +1,98 @@
+"""``precision: int8``: CPU inference with the LSTM step's products on int8 weights (``kernels/int8.py``), held to the
+bar it is offered on (per-token cosine to fp32 >= 0.999 at the 0.1% quantile in every layer on real text), chosen
+and printed once, refused in one line where it cannot run (training, CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from elmo_core import BiLM
+from elmo_core.corpus import _prose_paragraphs
+from elmo_core.kernels import choice, fused_gates, int8
+from elmo_core.options import EmbedConfig
+from elmo_core.precision import PrecisionError, resolve_precision
+from elmo_core.tokenize import split_sentences, unicode_tokens
+from tests.helpers import ROOT, assert_same_vectors, run_elmo
+
+pytestmark = pytest.mark.skipif(not int8.int8()[0], reason=f"no int8 here: {int8.int8()[1]}")
+
+
+def _real_sentences(n: int) -> list[list[str]]:
+    from pydoc_data.topics import topics
+
+    sentences = (
+        unicode_tokens(s)
+        for name in sorted(topics)
+        for p in _prose_paragraphs(topics[name])
+        for s in split_sentences(p)
+    )
+    return [s for s in sentences if s][:n]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def test_int8_holds_the_cosine_bar_on_real_text_with_the_tf_trained_model(allennlp_dir):
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    text = _real_sentences(400)
+    exact = bilm.embed_sentences(text)
+    kernels = bilm.prepare("int8")
+    assert "LSTM step products in int8 yes (hh, hr, cat)" in str(kernels)  # every per-step product, at any size
+    quantized = bilm.embed_sentences(text, precision="int8")
+    for layer in range(bilm.num_layers):
+        cos = np.concatenate([_cosines(a[layer], b[layer]) for a, b in zip(exact, quantized)])
+        assert np.quantile(cos, 0.001) >= 0.999, layer
+    assert not all(np.array_equal(a, b) for a, b in zip(exact, quantized))  # it really ran int8 products
+    np.testing.assert_array_equal(exact[0][0], quantized[0][0])  # layer 0 (the char CNN) stays fp32
+
+
+def test_int8_products_with_and_without_the_c_gates_agree(allennlp_dir):
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    sentences = [s * 3 for s in _real_sentences(8)]  # rows drop out step by step
+    with_c = bilm.prepare("int8")
+    assert with_c.gate_kernel
+    fused = bilm.embed_sentences(sentences)
+    assert not bilm.prepare("int8", gate_kernel=False).gate_kernel
+    assert_same_vectors(fused, bilm.embed_sentences(sentences), "int8", fp32_atol=0)
+
+
+def test_int8_is_offered_on_the_cpu_never_by_auto_and_refused_in_one_line_elsewhere():
+    assert "int8" in choice.offered_precisions("cpu") and "int8" not in choice.offered_precisions("cuda")
+    assert resolve_precision("int8", "cpu") == "int8" and resolve_precision("auto", "cpu") != "int8"
+    with pytest.raises(PrecisionError, match=r"^precision int8: CPU inference only .*; on cuda use fp32 or bf16$"):
+        resolve_precision("int8", "cuda")
+    assert EmbedConfig(model="m", input="i", out="o", precision="int8").precision == "int8"
+
+
+def test_training_in_int8_is_refused_by_its_flag_and_by_its_config_key(tmp_path):
+    """Training stays fp32 / bf16: one line naming the flag, or the key of the file it came from."""
+    flag = run_elmo("train", "--data", "d", "--out", str(tmp_path / "o"), "--precision", "int8")
+    assert flag.returncode == 2
+    assert flag.stderr.strip().splitlines()[-1].startswith("elmo train: error: argument --precision: invalid choice")
+    config = tmp_path / "train.yaml"
+    config.write_text("precision: int8\n")
+    key = run_elmo("train", "--config", str(config), "--data", "d", "--out", str(tmp_path / "o"))
+    assert key.returncode == 2 and key.stderr.strip().splitlines() == [
+        f"elmo train: error: {config}: precision: Input should be 'auto', 'fp32' or 'bf16' (got 'int8')"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+def test_elmo_embed_in_int8_writes_the_table_and_says_what_ran(tmp_path, allennlp_dir):
+    out = tmp_path / "emb"
+    source = ROOT / "data" / "probes" / "apple.txt"
+    args = ["-v", "embed", "--model", str(allennlp_dir), "--input", str(source), "--out", str(out)]
+    result = run_elmo(*args, "--precision", "int8", "--layers", "all")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "precision int8 on cpu" in result.stderr and "LSTM step products in int8 yes" in result.stderr
+    import duckdb
+
+    rows, tokens = duckdb.sql(
+        f"SELECT count(*), count(DISTINCT (sentence_id, token_index)) FROM read_parquet('{out}/*.parquet')"
+    ).fetchall()[0]
+    expected = sum(len(line.split()) for line in source.read_text().splitlines() if line.strip())
+    assert rows == tokens > 0 and rows >= expected // 2  # one row per token (the tokenizer may split more)
