@@ -96,7 +96,7 @@ class Parts:
         def lstm() -> torch.Tensor:
             with autocast(run.device, run.precision):
                 outputs, _ = bilm.lstm(
-                    leaf, ids, packing, state, make_cell=bilm._gradient_cell(), dropout=run.config.dropout
+                    leaf, ids, packing, state, make_cell=bilm._cell_of_call(None), dropout=run.config.dropout
                 )  # the cell training runs (the C gates on a CPU)
             return outputs[-1]
 

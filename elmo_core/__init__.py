@@ -15,8 +15,9 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     prefetch   those batches made ahead of the step by a background thread, the position kept exact
     weights    bilm-tf / AllenNLP weights.hdf5 ⇄ state dict (given a config; never builds a model)
     inference  running a biLM over many sentences: batches, the token cache, the stateful carry, the one loop
+    lstm_math  TensorFlow's LSTMCell arithmetic, once: the reference the model runs and the kernels match
     kernels/   the CPU's speed kernels, of inference and of training, and the choice of them (cache, packed,
-               fused_gates + lstm_gates.c, trained_step, char_cnn + char_cnn.c, cells, choice)
+               int8, fused_gates + lstm_gates.c, trained_step, char_cnn + char_cnn.c, cells, choice)
     model      char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix (one forward path)
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
     checkpoint training checkpoints (and the best weights) with their SHA-256, verified before use
@@ -33,7 +34,8 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
 
 Plumbing below all of them: ``errors`` (one-line user errors), ``cpu`` (what this CPU can do, and the
 ``ELMO_CPU_ISA=avx2`` override, applied here before torch is imported), ``fileio`` (atomic writes, digests),
-``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device, fp32 or bf16).
+``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device; fp32, bf16, or int8 for CPU
+inference), ``ranks`` (which process of a torchrun launch this is).
 ``tests/test_layering.py`` keeps every import pointing down this list. Importing the package loads nothing but
 ``cpu``; ``BiLM`` and ``batch_to_ids`` load torch and the model on first use, never DuckDB, pyarrow, Prefect or
 MLflow.

@@ -9,14 +9,16 @@
 * ``token_rows``: the one loop: per chunk a token cache, then each batch's token rows.
 * ``embed_sentences``: one (L+1, n_tokens, 2P) array per sentence.
 
-The biLM is passed in (a ``model.BiLM``); this module sits below the model and never imports it.
+The biLM is passed in (a ``model.BiLM``, as ``Embeds`` says what of it is used); this module sits below the model
+and never imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,12 +26,28 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+# (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
+LstmState = tuple[Tensor, Tensor]
+
+
+class Embeds(Protocol):
+    """What running over sentences needs of a biLM (``model.BiLM`` is one)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def token_embeddings(self, tokens: Sequence[str], batch_size: int = 1024) -> Tensor: ...
+
+    def token_rows(
+        self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None
+    ) -> tuple[list[Tensor], Tensor, LstmState]: ...
+
+    def prepared(self, precision: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
 CACHE_TOKENS = 65_536  # tokens whose distinct words share one token cache
 STATEFUL_BATCH_SIZE = 64  # rows per call of the stateful protocol, as AllenNLP's ElmoEmbedder
-
-# (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
-LstmState = tuple[Tensor, Tensor]
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int, max_rows: int | None = None) -> list[list[int]]:
@@ -71,14 +89,14 @@ def consecutive_batches(
 class TokenCache:
     """Layer 0 of a fixed word list, computed once: ``table`` (V + 1, P) with row 0 the padding token."""
 
-    def __init__(self, bilm: Any, words: Sequence[str]) -> None:
+    def __init__(self, bilm: Embeds, words: Sequence[str]) -> None:
         self.words = list(words)
         embeddings = bilm.token_embeddings(self.words)
         self.table = torch.cat([embeddings.new_zeros(1, embeddings.shape[1]), embeddings])
         self.index = {word: i + 1 for i, word in enumerate(self.words)}
 
     @classmethod
-    def of_sentences(cls, bilm: Any, sentences: Sequence[Sequence[str]]) -> TokenCache:
+    def of_sentences(cls, bilm: Embeds, sentences: Sequence[Sequence[str]]) -> TokenCache:
         return cls(bilm, sorted({token for sentence in sentences for token in sentence}))
 
     def ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
@@ -128,7 +146,7 @@ class StateCarry:
 
 @torch.no_grad()
 def token_rows(
-    bilm: Any, sentences: Sequence[Sequence[str]], batches: list[list[int]], carry: StateCarry | None = None
+    bilm: Embeds, sentences: Sequence[Sequence[str]], batches: list[list[int]], carry: StateCarry | None = None
 ) -> Iterator[tuple[list[int], list[Tensor], Tensor]]:
     """Per batch (in order): its sentence indices, its L+1 layers as token rows (N, 2P) (the tokens of its first
     sentence, then the next, …) and each sentence's token count. Runs whatever the model was prepared with; the
@@ -146,7 +164,7 @@ def token_rows(
 
 
 def embed_sentences(
-    bilm: Any,
+    bilm: Embeds,
     sentences: Sequence[Sequence[str]],
     *,
     batch_size: int | None = None,

@@ -31,6 +31,7 @@ from elmo_core import cpu
 from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
+from elmo_core.ranks import this_process
 from elmo_core.train import TrainResult, train
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
     """Train (or resume) with the launch options of ``config``; see the module docstring. Rank 0's result, or None
     on a machine other than node 0 (whose launcher has it)."""
     per_node, nodes = world_of(config)
-    if per_node * nodes == 1 or "LOCAL_RANK" in os.environ:  # one process, or already a rank of a launch
+    if per_node * nodes == 1 or this_process().launched:  # one process, or already a rank of a launch
         return train(config)
     folder = Path(config.out) / LAUNCH_DIR
     if nodes > 1:  # machines sharing a file system each keep their own launch folder
@@ -261,6 +262,6 @@ def _read_result(path: Path) -> dict:
 def write_result(result: TrainResult) -> None:
     """Rank 0 of a launch leaves its result where ``launch`` reads it (``ELMO_RESULT_FILE``)."""
     target = os.environ.get("ELMO_RESULT_FILE")
-    if target and int(os.environ.get("RANK", "0")) == 0:
+    if target and this_process().main:
         data = {**result.__dict__, "model_dir": str(result.model_dir)}
         Path(target).write_text(json.dumps(data, default=str))

@@ -50,6 +50,7 @@ from elmo_core.inference import LstmState
 from elmo_core.kernels import Kernels, TrainingKernels, choose, choose_training
 from elmo_core.kernels.char_cnn import conv_max
 from elmo_core.kernels.trained_step import Window
+from elmo_core.lstm_math import reference_gates, stacked
 from elmo_core.precision import resolve_precision
 from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
@@ -152,10 +153,6 @@ class Cell(Protocol):
     def step(self, source: Any, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
-def _stacked(pair: Sequence[nn.LSTM], name: str) -> Tensor:
-    return torch.stack([getattr(lstm, name) for lstm in pair])
-
-
 def _at_least_fp32(t: Tensor) -> Tensor:
     """Half-precision tensors up to float32 (the cell state and the gate arithmetic never run in bf16)."""
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
@@ -172,10 +169,10 @@ class LstmCell:
         self.cell_clip, self.proj_clip = clips
         self.one_node = one_node
         self.window: Window | None = None
-        self.bias = (_stacked(pair, "bias_ih_l0") + _stacked(pair, "bias_hh_l0")).unsqueeze(1)  # (2, 1, 4H)
-        self.w_ih_t = _stacked(pair, "weight_ih_l0").transpose(1, 2)  # (2, in, 4H)
-        self.w_hh_t = _stacked(pair, "weight_hh_l0").transpose(1, 2)  # (2, P, 4H)
-        self.w_hr_t = _stacked(pair, "weight_hr_l0").transpose(1, 2) if pair[0].proj_size > 0 else None  # (2, H, P)
+        self.bias = (stacked(pair, "bias_ih_l0") + stacked(pair, "bias_hh_l0")).unsqueeze(1)  # (2, 1, 4H)
+        self.w_ih_t = stacked(pair, "weight_ih_l0").transpose(1, 2)  # (2, in, 4H)
+        self.w_hh_t = stacked(pair, "weight_hh_l0").transpose(1, 2)  # (2, P, 4H)
+        self.w_hr_t = stacked(pair, "weight_hr_l0").transpose(1, 2) if pair[0].proj_size > 0 else None  # (2, H, P)
         device = pair[0].weight_ih_l0.device.type
         if torch.is_autocast_enabled(device):
             # autocast caches the casts of parameters only, not of these stacked weights: cast them once per call
@@ -208,16 +205,8 @@ class LstmCell:
         return (h.clamp(-self.proj_clip, self.proj_clip) if self.proj_clip is not None else h), c
 
     def gates(self, z: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-        """z (2, rows, 4H) in gate order i, f, g, o ─► (m, c): the cell clipped, m = o ⊙ tanh(c).
-
-        One chunk into the four gates, each activated on its own: the backward is then one concatenation of the
-        four gate gradients. Slices of one sigmoid over all of z (the same numbers) cost five zero-filled (2, rows,
-        4H) gradients and their sum per step: 4-21% of the LSTM's forward and backward in training, measured."""
-        i, f, g, o = z.chunk(4, dim=-1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        if self.cell_clip is not None:
-            c = c.clamp(-self.cell_clip, self.cell_clip)
-        return torch.sigmoid(o) * torch.tanh(c), c
+        """z (2, rows, 4H) ─► (m, c): ``lstm_math.reference_gates``, the reference arithmetic."""
+        return reference_gates(z, c, self.cell_clip)
 
 
 def _recurrence(
@@ -260,7 +249,7 @@ def _unclipped_layer(
 class ElmoLstm(nn.Module):
     """L layers of forward and backward LSTMs with projection, clipping and the residual for layers ≥ 1."""
 
-    def __init__(self, config: LstmConfig, use_fused: bool | None = None) -> None:
+    def __init__(self, config: LstmConfig) -> None:
         super().__init__()
         self.config = config
         p, h = config.projection_dim, config.dim
@@ -277,10 +266,6 @@ class ElmoLstm(nn.Module):
             del lstm.bias_hh_l0
             lstm.register_buffer("bias_hh_l0", forget_gate_bias(h))
             lstm._init_flat_weights()  # nn.LSTM's own forward (and cuDNN) reads the buffer, not the deleted parameter
-        # nn.LSTM cannot clip: it runs (the default) only when both clips are off
-        self.use_fused = (not config.clipped) if use_fused is None else use_fused
-        if self.use_fused and config.clipped:
-            raise ValueError("the fused nn.LSTM path cannot clip; set cell_clip and proj_clip to null")
 
     def all_layers(self) -> list[nn.LSTM]:
         return [*self.forward_layers, *self.backward_layers]
@@ -299,15 +284,16 @@ class ElmoLstm(nn.Module):
         packing: Packing,
         state: LstmState,
         *,
-        make_cell: Callable[[Sequence[nn.LSTM], Clips], Cell] = LstmCell,
+        make_cell: Callable[[Sequence[nn.LSTM], Clips], Cell] | None = LstmCell,
         dropout: float = 0.0,
     ) -> tuple[list[Tensor], LstmState]:
         """Token embeddings ``table`` (U, P) read at ``ids`` (2, N) (each direction's packed steps) ─► packed outputs
         (2, N, P) per layer, and the new state (rows in the batch's order; rows with nothing to read keep theirs).
 
-        Layer 0 computes its input gates once per distinct token where nothing needs the per-token inputs (no
-        gradients, no dropout). ``dropout`` (training) applies to each layer's input; the residual adds the dropped
-        input, as TF's ``DropoutWrapper`` inside a ``ResidualWrapper``.
+        ``make_cell`` makes each layer's cell (``LstmCell``, a kernel's); None runs PyTorch's ``nn.LSTM`` (a model
+        without clips, as ``kernels.choose`` decides). Layer 0 computes its input gates once per distinct token
+        where nothing needs the per-token inputs (no gradients, no dropout). ``dropout`` (training) applies to each
+        layer's input; the residual adds the dropped input, as TF's ``DropoutWrapper`` inside a ``ResidualWrapper``.
         """
         cfg, batch_sizes = self.config, packing.batch_sizes
         order, rank = packing.order.to(table.device), packing.rank.to(table.device)
@@ -317,11 +303,11 @@ class ElmoLstm(nn.Module):
         outputs, new_h, new_c = [], [], []
         for layer in range(cfg.n_layers):
             pair = (self.forward_layers[layer], self.backward_layers[layer])
-            if x is None and (self.use_fused or dropping or torch.is_grad_enabled()):
+            if x is None and (make_cell is None or dropping or torch.is_grad_enabled()):
                 x = torch.stack([table.index_select(0, ids[0]), table.index_select(0, ids[1])])
             if x is not None and dropping:
                 x = nn.functional.dropout(x, dropout, training=True)
-            if self.use_fused:
+            if make_cell is None:
                 out, h, c = _unclipped_layer(pair, x, batch_sizes, h_state[layer], c_state[layer])  # type: ignore[arg-type]
             else:
                 cell = make_cell(pair, (cfg.cell_clip, cfg.proj_clip))
@@ -481,12 +467,12 @@ class BiLM(nn.Module):
     for bilm-tf's stateful protocol (``inference.StateCarry`` does so across batches of changing size).
     """
 
-    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None, use_fused: bool | None = None) -> None:
+    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None) -> None:
         super().__init__()
         self.config = config
         p = config.lstm.projection_dim
         self.token_encoder = TokenEncoder(config.char_cnn, p)
-        self.lstm = ElmoLstm(config.lstm, use_fused=use_fused)
+        self.lstm = ElmoLstm(config.lstm)
         # bilm-tf's softmax: one (V, P) table and bias shared by both directions
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
         self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
@@ -537,7 +523,7 @@ class BiLM(nn.Module):
     def prepare_training(self, **choices: Any) -> TrainingKernels:
         """Choose, once, what runs this model's calls with gradients on its device (``kernels.choose_training``;
         ``choices`` force it): the reference cell, its gates in C on a CPU. Returns the choice, for the log."""
-        self.training_kernels = choose_training(self.device, **choices)
+        self.training_kernels = choose_training(self.device, self.config.lstm, **choices)
         return self.training_kernels
 
     def _training_kernels_for_call(self) -> TrainingKernels | None:
@@ -547,9 +533,14 @@ class BiLM(nn.Module):
             return None
         return chosen
 
-    def _gradient_cell(self) -> Callable[[Sequence[nn.LSTM], Clips], Cell]:
-        """The cell of a call with gradients (or of any call the inference kernels do not run)."""
+    def _cell_of_call(self, kernels: Kernels | None) -> Callable[[Sequence[nn.LSTM], Clips], Cell] | None:
+        """What runs this call's LSTM layers, as chosen: the inference kernels' cell, the training kernels' (a call
+        with gradients), None for PyTorch's ``nn.LSTM`` where either chose it; nothing chosen: the reference."""
+        if kernels is not None:
+            return None if kernels.nn_lstm else kernels.cell if kernels.cpu_cells else LstmCell
         chosen = self._training_kernels_for_call()
+        if chosen is not None and chosen.nn_lstm:
+            return None
         if chosen is not None and chosen.one_node:
             return functools.partial(LstmCell, one_node=True)
         return LstmCell
@@ -575,7 +566,7 @@ class BiLM(nn.Module):
         kernels = self.kernels
         if kernels is None or torch.is_grad_enabled() or not kernels.runs_on(self.device):
             return None
-        if kernels.precision == "fp32" and torch.is_autocast_enabled(kernels.device):
+        if kernels.precision != "bf16" and torch.is_autocast_enabled(kernels.device):
             return None
         return kernels
 
@@ -680,7 +671,7 @@ class BiLM(nn.Module):
             ids = packing.read(tokens.forward, tokens.backward)
             if state is None:
                 state = self.lstm.zero_state(len(tokens.lengths), tokens.table.device, tokens.table.dtype)
-            make_cell = kernels.cell if kernels is not None and kernels.cpu_cells else self._gradient_cell()
+            make_cell = self._cell_of_call(kernels)
             outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell=make_cell, dropout=dropout)
         if layout == "tokens":
             slots, counts = packing.token_slots(tokens)

@@ -28,7 +28,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from elmo_core.options import TrainConfig, validate
 from elmo_core.precision import autocast, choose_precision, pick_device
 from elmo_core.prefetch import Prefetcher, to_tensors
 from elmo_core.progress import track
+from elmo_core.ranks import Rank, this_process
 from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.tracking import (
     MLflowTracker,
@@ -289,37 +290,17 @@ def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
 # ----- distributed ------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    node: int = 0  # this machine's number (torchrun's GROUP_RANK)
-    nodes: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _init_distributed(device: torch.device) -> _Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return _Dist()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+def _init_distributed(device: torch.device) -> Rank:
+    """This process's rank, its process group set up where the launch has several (gloo on CPUs, NCCL on GPUs)."""
+    launched = this_process()
+    if launched.world == 1:
+        return launched
     if not dist.is_initialized():
-        dist.init_process_group(backend)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    return _Dist(
-        dist.get_rank(),
-        dist.get_world_size(),
-        int(os.environ.get("LOCAL_RANK", "0")),
-        node=int(os.environ.get("GROUP_RANK", "0")),
-        nodes=max(1, world // per_node),
-    )
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return replace(launched, rank=dist.get_rank(), world=dist.get_world_size())
 
 
-def _gather(ddp: _Dist, item: Any) -> list[Any]:
+def _gather(ddp: Rank, item: Any) -> list[Any]:
     if ddp.world == 1:
         return [item]
     gathered: list[Any] = [None] * ddp.world
@@ -327,7 +308,7 @@ def _gather(ddp: _Dist, item: Any) -> list[Any]:
     return gathered
 
 
-def _check_replicas_agree(bilm: BiLM, ddp: _Dist, out: Path) -> None:
+def _check_replicas_agree(bilm: BiLM, ddp: Rank, out: Path) -> None:
     """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
     digest = hashlib.sha256()
     for name, tensor in sorted(bilm.state_dict().items()):
@@ -422,7 +403,7 @@ class Run:
     out: Path
     data: Path
     device: torch.device
-    ddp: _Dist
+    ddp: Rank
     precision: str
     precision_reason: str  # why (``precision.choose_precision``): logged and kept as an MLflow param
     vocab: list[str]
@@ -893,7 +874,7 @@ LOCK_NAME = ".train.lock"  # in the run folder: one training writes it at a time
 def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
     """Run (or resume) a training; returns the final perplexity and where the exported model is."""
     lock = None
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes the folder and logs
+    if this_process().main:  # under torchrun only rank 0 writes the folder and logs
         if config.tracking == "mlflow" and tracker is None:
             check_reachable(config.tracking_uri)  # in seconds, before any work
         lock = FolderLock(Path(config.out) / LOCK_NAME, config.out, wait=config.wait).acquire()
@@ -910,7 +891,7 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.asked = False
-        self.active = "LOCAL_RANK" in os.environ and threading.current_thread() is threading.main_thread()
+        self.active = this_process().launched and threading.current_thread() is threading.main_thread()
         self._previous = signal.signal(signal.SIGTERM, self._ask) if self.active else None
 
     def _ask(self, *_: object) -> None:
@@ -936,14 +917,14 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
     stop = _StopRequest()
     try:
         with track("train", run.total_steps, "steps", done=run.step) as progress:
-            window = Window(run.tokens_per_step)
+            rate = TokenRate(run.tokens_per_step)
             while run.step < run.total_steps:
                 record = step(run)
                 if record is not None:
-                    window.count()
-                    progress.update(run.step, f"loss {run.loss:.3f}, {window.rate():,.0f} tok/s")
+                    rate.count()
+                    progress.update(run.step, f"loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")
                     if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
-                        log_metrics(run, record, window.rate(reset=True))
+                        log_metrics(run, record, rate.rate(reset=True))
                 if run.step % run.steps_per_epoch == 0 and run.step < run.total_steps:
                     keep_if_best(run, evaluate_heldout(run))
                 if run.step % config.checkpoint_every == 0 and run.step < run.total_steps:
@@ -970,8 +951,8 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
             dist.destroy_process_group()
 
 
-class Window:
-    """Tokens per second over the steps since the last logged metrics."""
+class TokenRate:
+    """Training tokens per second over the steps since the last logged metrics (the progress line's and MLflow's)."""
 
     def __init__(self, tokens_per_step: int) -> None:
         self.tokens_per_step, self.steps, self.started = tokens_per_step, 0, time.perf_counter()

@@ -25,7 +25,7 @@ needs_kernel = pytest.mark.skipif(not char_cnn.available(), reason=char_cnn.desc
 def test_the_kernel_is_built_wherever_a_c_compiler_is():
     if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
         assert char_cnn.available(), char_cnn.describe()
-        assert choose_training(torch.device("cpu")).sparse_char_cnn
+        assert choose_training(torch.device("cpu"), tiny().lstm).sparse_char_cnn
 
 
 def _cnn(activation: str, filters: list[list[int]]) -> CharCNN:
@@ -104,13 +104,13 @@ def test_the_training_call_runs_it_and_inference_does_not(monkeypatch):
 
 
 def test_chosen_once_and_off_where_it_does_not_apply():
-    chosen = choose_training(torch.device("cpu"), sparse_char_cnn=False)
+    chosen = choose_training(torch.device("cpu"), tiny().lstm, sparse_char_cnn=False)
     assert not chosen.sparse_char_cnn and "dense backward (not chosen)" in str(chosen)
-    assert not choose_training(torch.device("cuda")).sparse_char_cnn
+    assert not choose_training(torch.device("cuda"), tiny().lstm).sparse_char_cnn
     with pytest.raises(ValueError, match="runs on the CPU"):
         char_cnn.conv_max(torch.zeros(1, 2, 1, 3, device="meta"), torch.zeros(1, 3, dtype=torch.long), *[None] * 3)
 
 
 def test_off_with_elmo_no_fused_gates(c_kernels_off):
-    chosen = choose_training(torch.device("cpu"))
+    chosen = choose_training(torch.device("cpu"), tiny().lstm)
     assert not chosen.sparse_char_cnn and "ELMO_NO_FUSED_GATES=1" in str(chosen)

@@ -33,14 +33,15 @@ def test_cudnn_fused_path_matches_general_on_cuda():
 
     torch.manual_seed(0)
     config = tiny().model_copy(update={"lstm": tiny().lstm.model_copy(update={"cell_clip": None, "proj_clip": None})})
-    fused = BiLM(config)
-    init_bilm_tf(fused)
-    general = BiLM(config, use_fused=False)
-    general.load_state_dict(fused.state_dict())
-    fused, general = fused.cuda().eval(), general.cuda().eval()
+    bilm = BiLM(config)
+    init_bilm_tf(bilm)
+    bilm = bilm.cuda().eval()
     ids = batch_to_ids(SENTENCES).cuda()
     with torch.no_grad():
-        for x, y in zip(fused(ids)["activations"], general(ids)["activations"]):
+        assert bilm.prepare("fp32").nn_lstm  # cuDNN, as chosen for a model without clips
+        fused = bilm(ids)["activations"]
+        bilm.prepare("fp32", nn_lstm=False)
+        for x, y in zip(fused, bilm(ids)["activations"]):
             assert torch.allclose(x, y, atol=1e-4)
 
 

@@ -14,7 +14,8 @@ LAYERS = [
     "cpu",
     "fileio",
     "progress",
-    "precision",  # plumbing
+    "precision",
+    "ranks",  # plumbing
     "chars",
     "config",
     "tokenize",
@@ -27,6 +28,7 @@ LAYERS = [
     "prefetch",  # text → Parquet → DuckDB vocab → batches, made ahead of the step
     "weights",
     "inference",
+    "lstm_math",  # the reference LSTM arithmetic, shared by the kernels and the model
     "kernels",  # the CPU's speed kernels (inference, training), a package of their own (PACKAGES below)
     "model",
     "__init__",  # weight files, running over sentences, the network
@@ -47,7 +49,7 @@ LAYERS = [
 
 # inside the subpackages, bottom up likewise
 PACKAGES = {
-    "kernels": ["cache", "packed", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"],
+    "kernels": ["cache", "packed", "int8", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
 }

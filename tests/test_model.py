@@ -122,28 +122,37 @@ def test_clipping_bounds_the_outputs_without_skip_connections():
     assert float(out[1].abs().max()) <= 0.05 + 1e-7 and float(out[2].abs().max()) <= 0.05 + 1e-7
 
 
-def test_fused_nn_lstm_path_equals_the_general_path():
-    general = _random_model(seed=3, cell_clip=None, proj_clip=None)
-    assert general.lstm.use_fused  # no clips → fused by default
-    general.lstm.use_fused = False
-    fused = _random_model(seed=4, cell_clip=None, proj_clip=None)
-    fused.load_state_dict(general.state_dict())
-    assert fused.lstm.use_fused
+def test_nn_lstm_is_chosen_for_a_model_without_clips_and_equals_the_cells():
+    """``kernels.choose`` picks PyTorch's nn.LSTM for an unclipped model (and says so); it gives the numbers of the
+    reference cell and of the CPU cells, the carried state included."""
+    bilm = _random_model(seed=3, cell_clip=None, proj_clip=None)
     batches = [SENTENCES, SENTENCES[:2], [[], ["a", "b", "c"]], SENTENCES[::-1]]
-    general_carry, fused_carry = StateCarry(), StateCarry()
+    runs = {}
+    for name, choices in {"nn.LSTM": {}, "cells": {"nn_lstm": False}}.items():
+        kernels = bilm.prepare("fp32", **choices)
+        assert kernels.nn_lstm == (name == "nn.LSTM")
+        assert ("PyTorch's nn.LSTM" in str(kernels)) == (name == "nn.LSTM")
+        carry = StateCarry()
+        with torch.no_grad():  # stateful, so the carried states are compared too
+            runs[name] = ([_stateful(bilm, carry, batch)["activations"] for batch in batches], carry.state)
+    bilm.kernels = None  # nothing chosen: the reference cell
+    carry = StateCarry()
     with torch.no_grad():
-        for batch in batches:  # stateful, so the carried states are compared too
-            g = _stateful(general, general_carry, batch)["activations"]
-            f = _stateful(fused, fused_carry, batch)["activations"]
-            for x, y in zip(g, f):
-                assert torch.allclose(x, y, atol=1e-5)
-    for x, y in zip(general_carry.state, fused_carry.state):
-        assert torch.allclose(x, y, atol=1e-5)
+        runs["reference"] = ([_stateful(bilm, carry, batch)["activations"] for batch in batches], carry.state)
+    (fused, fused_state), *others = runs.values()
+    for outputs, state in others:
+        for x, y in zip(sum(fused, []), sum(outputs, [])):
+            assert torch.allclose(x, y, atol=1e-5)
+        for x, y in zip(fused_state, state):
+            assert torch.allclose(x, y, atol=1e-5)
+    assert "PyTorch's nn.LSTM" in str(bilm.prepare_training())  # training takes it too
+    assert not bilm.prepare("int8").nn_lstm  # int8's products run in the CPU cells only
 
 
-def test_fused_path_refuses_clipping():
+def test_nn_lstm_refuses_a_clipped_model():
     with pytest.raises(ValueError, match="cannot clip"):
-        BiLM(tiny(), use_fused=True)
+        _random_model().prepare("fp32", nn_lstm=True)
+    assert not _random_model().prepare("fp32").nn_lstm
 
 
 def test_the_backward_lstm_reads_each_row_reversed_within_its_length():

@@ -23,7 +23,7 @@ needs_kernel = pytest.mark.skipif(not trained_step.available(), reason=trained_s
 def test_the_kernel_is_built_wherever_a_c_compiler_is():
     if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
         assert trained_step.available(), trained_step.describe()
-        assert choose_training(torch.device("cpu")).one_node
+        assert choose_training(torch.device("cpu"), tiny().lstm).one_node
 
 
 def _pair() -> list[nn.LSTM]:
@@ -155,13 +155,13 @@ def test_the_model_s_gradients_are_the_reference_s(precision, monkeypatch):
 
 
 def test_chosen_once_and_off_where_it_does_not_apply():
-    assert not choose_training(torch.device("cpu"), one_node=False).one_node
-    assert "PyTorch ops (not chosen)" in str(choose_training(torch.device("cpu"), one_node=False))
-    assert not choose_training(torch.device("cuda")).one_node  # CUDA's launches run ahead of the GPU
+    assert not choose_training(torch.device("cpu"), tiny().lstm, one_node=False).one_node
+    assert "PyTorch ops (not chosen)" in str(choose_training(torch.device("cpu"), tiny().lstm, one_node=False))
+    assert not choose_training(torch.device("cuda"), tiny().lstm).one_node  # CUDA's launches run ahead of the GPU
 
 
 def test_off_with_elmo_no_fused_gates_and_the_reference_runs(c_kernels_off):
-    chosen = choose_training(torch.device("cpu"))
+    chosen = choose_training(torch.device("cpu"), tiny().lstm)
     assert not chosen.one_node and "ELMO_NO_FUSED_GATES=1" in str(chosen)
     bilm = _model()
     bilm.prepare_training()

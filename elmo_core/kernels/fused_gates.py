@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from elmo_core import cpu
+from elmo_core.lstm_math import reference_gates
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,7 @@ def _self_check(lib: ctypes.CDLL) -> float:
         m, c_new = _run(lib, y, c, bias.view(1, 1, -1), x, cell_clip=1.5, threads=1)
     except RuntimeError:
         return float("inf")
-    i, f, g, o = (y + bias + x).chunk(4, dim=-1)
-    c_ref = (torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)).clamp(-1.5, 1.5)
-    m_ref = torch.sigmoid(o) * torch.tanh(c_ref)
+    m_ref, c_ref = reference_gates(y + bias + x, c, cell_clip=1.5)
     return float(max((m - m_ref).abs().max(), (c_new - c_ref).abs().max()))
 
 
