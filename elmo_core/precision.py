@@ -142,17 +142,12 @@ def resolve_precision(precision: str, device: torch.device | str) -> str:
 
 
 def _check_int8(device_type: str) -> None:
-    """int8 runs CPU inference's per-step products on int8 weights; elsewhere, or where this torch has no dynamic
-    int8 products, it is refused in one line."""
+    """int8 runs CPU inference's per-step products on int8 weights; elsewhere it is refused in one line (where this
+    torch has no dynamic int8 products, ``kernels.choose`` refuses it, having probed them)."""
     if device_type != "cpu":
         raise PrecisionError(
             f"precision int8: CPU inference only (dynamic int8 products); on {device_type} use fp32 or bf16"
         )
-    from elmo_core.kernels.int8 import int8
-
-    works, why = int8()
-    if not works:
-        raise PrecisionError(f"precision int8: {why}; use precision fp32")
 
 
 def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:

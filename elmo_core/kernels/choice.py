@@ -22,7 +22,14 @@ from elmo_core.config import LstmConfig
 from elmo_core.kernels import char_cnn, fused_gates, int8, packed, trained_step
 from elmo_core.kernels.cache import WeightCache
 from elmo_core.kernels.cells import CpuCell
-from elmo_core.precision import autocast, cpu_capability, cpu_has_native_bf16, native_bf16, resolve_precision
+from elmo_core.precision import (
+    PrecisionError,
+    autocast,
+    cpu_capability,
+    cpu_has_native_bf16,
+    native_bf16,
+    resolve_precision,
+)
 
 NN_LSTM = "PyTorch's nn.LSTM (cuDNN on a GPU; the model has no clips, which nn.LSTM cannot do)"
 
@@ -128,7 +135,10 @@ def choose(
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
         return Kernels(device.type, precision, cpu_cells=False)
-    if precision == "int8":  # every per-step product on int8 weights, at any size (resolve_precision probed it)
+    if precision == "int8":  # every per-step product on int8 weights, at any size
+        works, why = int8.int8()
+        if not works:
+            raise PrecisionError(f"precision int8: {why}; use precision fp32")
         can_pack, why_not, smallest = True, "", 0
     else:
         can_pack, why_not = packed.packing(torch.bfloat16 if precision == "bf16" else torch.float32)
