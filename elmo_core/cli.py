@@ -32,6 +32,7 @@ from elmo_core.options import (
     DemoConfig,
     EmbedConfig,
     ExportConfig,
+    IndexConfig,
     InfoConfig,
     IngestConfig,
     Options,
@@ -339,12 +340,32 @@ def cmd_embed(config: EmbedConfig) -> None:
     from elmo_core.embed import embed
 
     print(embed(config, show_kernels=log.isEnabledFor(logging.DEBUG)).line())
+    if config.index:
+        from elmo_core.ann import build_index
+
+        print(build_index(config.out, wait=config.wait).line())
+
+
+def cmd_index(config: IndexConfig) -> None:
+    from elmo_core.ann import build_index
+
+    summary = build_index(
+        config.table,
+        config.layer,
+        shard_rows=config.shard_rows,
+        workers=config.workers,
+        rebuild=config.rebuild,
+        wait=config.wait,
+        nlist=config.nlist,
+        nprobe=config.nprobe,
+    )
+    print(summary.line())
 
 
 def cmd_query(config: QueryConfig) -> None:
     from elmo_core.query import EmbeddingStore
 
-    store = EmbeddingStore(config.embeddings)
+    store = EmbeddingStore(config.embeddings, exact=config.exact, nprobe=config.nprobe)
     if config.similar_to:
         for n in store.similar_sentences(config.similar_to, config.k, config.layer):
             print(f"{n.similarity:7.4f}  {n.sentence_id}  {n.text}")
@@ -519,6 +540,17 @@ COMMANDS: dict[str, Command] = {
             "Example: elmo query data/embed --token apples --sentence 'I like to eat apples .' --like 'apple%%'"
         ),
     ),
+    "index": Command(
+        options=IndexConfig,
+        handler=cmd_index,
+        positional=("table",),
+        help="a nearest-neighbour index beside an embedding table, for fast `elmo query`",
+        description=(
+            "Index one vector column of the table (faiss IVF, 8-bit codes, exact re-ranking) in TABLE/_index/. "
+            "A rerun adds only parts the index does not cover; `elmo query` uses it by itself. "
+            "Example: elmo index data/embed --workers 2"
+        ),
+    ),
     "info": Command(
         options=InfoConfig,
         handler=cmd_info,
@@ -586,7 +618,7 @@ def _configure_logging(verbose: bool) -> None:
         )
     else:
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for noisy in ("alembic", "urllib3", "git", "httpx"):
+    for noisy in ("alembic", "urllib3", "git", "httpx", "faiss.loader"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
 # options that do not change the table (where it runs, how it is batched, how a conflict is resolved)
-NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16", "wait"}
+NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16", "wait", "index"}
 LOCK_NAME = "lock"  # in the work folder: the one-writer lock of OUT (fileio.FolderLock)
 
 

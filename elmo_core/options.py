@@ -295,6 +295,7 @@ class EmbedOptions(Options):
         False, description="replace a table of another job in --out (the new one is swapped in when complete)"
     )
     wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
+    index: bool = Field(False, description="then build the table's nearest-neighbour index (as `elmo index OUT`)")
 
     @model_validator(mode="before")
     @classmethod
@@ -348,6 +349,21 @@ class QueryConfig(Options):
     like: str | None = Field(None, description="only neighbours whose lower-cased token matches this SQL LIKE pattern")
     layer: str | None = Field(None, description="elmo or layer_N (default: elmo, else the top layer)")
     k: int = Field(10, gt=0, description="how many neighbours")
+    exact: bool = Field(False, description="scan the whole table even where an index is (`elmo index`)")
+    nprobe: int | None = Field(None, gt=0, description="inverted lists an indexed query visits (default: the index's)")
+
+
+class IndexConfig(Options):
+    """``elmo index``: an approximate-nearest-neighbour index of one vector column, beside the table."""
+
+    table: str = Field(description="an embedding table folder (`elmo embed` output, or Parquet with its columns)")
+    layer: str | None = Field(None, description="the column to index: elmo or layer_N (default: elmo, else the top)")
+    shard_rows: int = Field(2_000_000, gt=0, description="rows per shard (whole part files; shards build in parallel)")
+    workers: int = Field(1, gt=0, description="processes building shards at once (each with its share of the cores)")
+    nlist: int | None = Field(None, gt=0, description="inverted lists (default: about sqrt(rows), a power of two)")
+    nprobe: int | None = Field(None, gt=0, description="lists a query visits by default (nlist/32, at least 16)")
+    rebuild: bool = Field(False, description="build it anew instead of adding the parts it does not cover")
+    wait: bool = Field(False, description="if another build holds the index, wait for it instead of failing")
 
 
 class InfoConfig(Options):

@@ -5,11 +5,15 @@
                                                             "input": "data/ingest", "out": "data/embed"}}'
 
 Units are independent; with ``run_on_dask`` (prefect-dask) they spread over a Dask cluster's workers. The flow's
-progress artifact counts the tokens of finished units.
+progress artifact counts the tokens of finished units. With ``index: true`` the table's nearest-neighbour index
+(``elmo_core.ann``) is built after it, one task per shard; the ``index`` flow builds it alone:
+
+    prefect deployment run index/index --params '{"config": {"table": "data/embed"}}'
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict
@@ -24,8 +28,9 @@ from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
-from elmo_core import cpu
+from elmo_core import ann, cpu
 from elmo_core.embed import EmbedConfig, Embedder, Job, Unit, UnitResult, finish, job_lock, prepare
+from elmo_core.options import IndexConfig
 from flows.common import RETRIED, progress_over, run_main, stage
 
 _EMBEDDERS: dict[str, Embedder] = {}  # one loaded model per worker process
@@ -91,6 +96,53 @@ def finish_embedding(
     }
 
 
+@task(**RETRIED)
+@stage
+def plan_index(config: IndexConfig, column: str) -> dict[str, Any]:
+    """Check the table and its index, drop stale shards, train the quantizer once, group the new parts."""
+    tuning = {"nlist": config.nlist, "nprobe": config.nprobe}
+    plan = ann.plan_build(Path(config.table), column, config.shard_rows, config.rebuild, **tuning)
+    for note in plan.notes:
+        get_run_logger().info("index: %s", note)
+    return {"folder": str(plan.folder), "todo": [s.to_record() for s in plan.todo]}
+
+
+@task(**RETRIED, tags=["elmo-index-shard"])
+def index_shard(folder: str, table: str, shard: dict[str, Any]) -> dict[str, Any]:
+    """One shard of the index from its parts (on a Dask worker under ``run_on_dask``); its record is written last."""
+    import faiss
+
+    faiss.omp_set_num_threads(torch.get_num_threads())  # the worker's share of the cores, as its torch threads
+    return ann.build_shard(Path(folder), Path(table), ann.ShardRecord.from_record(shard)).to_record()
+
+
+def index_table(config: IndexConfig) -> dict[str, Any]:
+    """The table's index: shards as tasks (over the flow's workers: a Dask cluster's under ``run_on_dask``), and a
+    Prefect artifact with the query to run."""
+    started = time.perf_counter()
+    table = config.table
+    column = ann.pick_column(ann.first_schema(Path(table)), config.layer, Path(table))
+    with ann.build_lock(Path(table), column, config.wait):
+        plan = plan_index(config, column)
+        futures = index_shard.map(plan["folder"], unmapped(table), plan["todo"])
+        rows = {s["number"]: s["rows"] for s in plan["todo"]}
+        with progress_over("index", sum(rows.values()), "rows") as progress:
+            for future in as_completed(futures):
+                done = future.result()
+                progress.advance(rows[done["number"]], f"shard {done['number']}")
+        built = [ann.ShardRecord.from_record(f.result()) for f in futures]
+        folder = Path(plan["folder"])
+        summary = ann.summarize(folder, built, time.perf_counter() - started)
+    create_markdown_artifact(
+        key="embedding-index",
+        markdown=f"## Nearest-neighbour index\n\n{summary.line()}\n\n"
+        f"`elmo query` uses it without being asked (`--exact` scans instead):\n\n"
+        f"```\nelmo query {table} --token TOKEN --sentence 'THE SENTENCE IT IS IN'\n```\n",
+        description="The index beside the embedding table, and a query that uses it",
+    )
+    return {"index": str(folder), "index_line": summary.line(), "index_shards": summary.shards}
+
+
 @flow(name="embed", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     """Embed ``config.input`` with ``config.model`` into ``config.out`` (a rerun does only what is missing)."""
@@ -114,13 +166,28 @@ def embed_flow(config: EmbedConfig) -> dict[str, Any]:
         results = [f.result() for f in futures]
         summary = finish_embedding(config, prepared, results, time.perf_counter() - started)
     print(summary["line"])
+    if config.index:
+        summary |= index_table(IndexConfig(table=summary["out"], wait=config.wait))
+        print(summary["index_line"])
+    return summary
+
+
+@flow(name="index", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
+def index_flow(config: IndexConfig) -> dict[str, Any]:
+    """Index an embedding table for fast nearest-neighbour queries (a rerun adds only parts not covered yet)."""
+    summary = index_table(config)
+    print(summary["index_line"])
     return summary
 
 
 def run_on_dask(
-    config: EmbedConfig, address: str | None = None, n_workers: int = 2, torch_threads: int | None = None
+    config: EmbedConfig | IndexConfig,
+    address: str | None = None,
+    n_workers: int = 2,
+    torch_threads: int | None = None,
 ) -> dict[str, Any]:
-    """The same flow with its units spread over a Dask cluster: an existing one (``address``) or a local one.
+    """The embed flow (an ``EmbedConfig``) or the index flow (an ``IndexConfig``) with its units or shards spread
+    over a Dask cluster: an existing one (``address``) or a local one.
 
     A local cluster's workers are processes started for the job, each with its share of the cores as torch threads
     (logged by its first unit; ``torch_threads`` sets another count); without a Prefect API configured, one temporary
@@ -146,9 +213,10 @@ def run_on_dask(
         "env": cpu.worker_env(n_workers, torch_threads),
     }
     runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster)
+    chosen = index_flow if isinstance(config, IndexConfig) else embed_flow
     if address or PREFECT_API_URL.value():
-        return embed_flow.with_options(task_runner=runner)(config)
-    return _with_one_server(lambda: embed_flow.with_options(task_runner=runner)(config))
+        return chosen.with_options(task_runner=runner)(config)
+    return _with_one_server(lambda: chosen.with_options(task_runner=runner)(config))
 
 
 SERVER_START_TIMEOUT_S = 120  # Prefect waits 20 s by default; a busy machine (training beside) can take longer
@@ -178,4 +246,8 @@ def _with_one_server(run: Any) -> Any:
 if __name__ == "__main__":
     import sys
 
-    run_main(embed_flow, EmbedConfig.model_validate_json(sys.argv[1]))
+    config = json.loads(sys.argv[1])
+    if "table" in config:
+        run_main(index_flow, IndexConfig.model_validate(config))
+    else:
+        run_main(embed_flow, EmbedConfig.model_validate(config))

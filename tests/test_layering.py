@@ -39,8 +39,9 @@ LAYERS = [
     "launch",  # training, on one process or launched on several
     "embed",
     "probe",
+    "ann",
     "query",
-    "corpus",  # embeddings, queries, the default corpus
+    "corpus",  # embeddings, the nearest-neighbour index, queries, the default corpus
     "mlflow_model",
     "allennlp",  # AllenNLP's ELMo surface on this project
     "cli",  # entry points

@@ -131,7 +131,7 @@ def test_prefect_yaml_parameters_validate_against_the_flows():
         flow = getattr(module, function)
         flow.validate_parameters(deployment.get("parameters") or {})  # raises on a parameter the flow lacks
         names.add(f"{flow.name}/{deployment['name']}")
-    assert {"elmo/train", "elmo/train-gpu", "embed/embed", "probe/probe"} <= names
+    assert {"elmo/train", "elmo/train-gpu", "embed/embed", "index/index", "probe/probe"} <= names
 
 
 def test_the_deprecated_bf16_flags_map_onto_precision(caplog):

@@ -320,7 +320,7 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
     assert -1.0 <= top[1] <= 1.0
 
 
-def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allennlp_dir, monkeypatch):
+def test_embed_flow_on_a_two_worker_dask_cluster_then_its_index(prefect_server, tmp_path, allennlp_dir, monkeypatch):
     for key, value in prefect_server.items():
         monkeypatch.setenv(key, value)
     from elmo_core.embed import EmbedConfig
@@ -336,8 +336,8 @@ def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allen
         "print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))"
     )
     config = EmbedConfig(
-        model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=280
-    )  # 40 sentences a unit: 5 units
+        model=str(allennlp_dir), input=str(tmp_path / "ing"), out=str(tmp_path / "emb"), unit_tokens=280, index=True
+    )  # 40 sentences a unit: 5 units; then the index, its shard built on a worker
     result = subprocess.run(
         [sys.executable, "-c", script, config.model_dump_json()],
         cwd=ROOT,
@@ -353,6 +353,17 @@ def test_embed_flow_on_a_two_worker_dask_cluster(prefect_server, tmp_path, allen
     con = duckdb.connect()
     rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))  # noqa: F841  (used by name)
     assert con.execute("SELECT count(*) FROM rel").fetchone()[0] == sum(len(line.split()) for line in lines)
+
+    from elmo_core.query import EmbeddingStore
+
+    assert summary["index_shards"] == 1 and summary["index_line"].startswith("index: 1 shards (1,400 rows) built")
+    indexed, exact = EmbeddingStore(tmp_path / "emb"), EmbeddingStore(tmp_path / "emb", exact=True)
+    got = indexed.nearest_tokens("bank", k=5)
+    assert indexed.last_path.startswith(f"query: index {tmp_path / 'emb' / '_index' / 'elmo'}")
+    # the template sentences make near-ties: the same similarities, whichever of a tie comes first
+    assert [h.similarity for h in got] == pytest.approx([h.similarity for h in exact.nearest_tokens("bank", k=5)])
+    markdown = _api(prefect_server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["embedding-index"]}}})
+    assert markdown and f"elmo query {tmp_path / 'emb'} --token" in markdown[0]["data"]
 
 
 def test_a_failing_flow_reports_its_reason_once_without_tracebacks_or_retries(prefect_server, tmp_path, allennlp_dir):
