@@ -142,7 +142,8 @@ def recall(similarities: list[list[float]], kth: list[float], k: int, tolerance:
 
 
 def pick_queries(table: Path, n: int, seed: int) -> list[dict]:
-    """``n`` rows drawn uniformly (a fixed seed): token, sentence and vector, read from their row groups."""
+    """``n`` rows drawn uniformly (a fixed seed), each the first use of its token in its sentence (a query names a
+    token and a sentence, which finds the first): token, sentence and vector, read from their row groups."""
     groups = [
         (path, g, pf.metadata.row_group(g).num_rows)
         for path in sorted(table.glob("part-*.parquet"))
@@ -151,12 +152,20 @@ def pick_queries(table: Path, n: int, seed: int) -> list[dict]:
     ]
     starts = np.cumsum([0] + [m for _, _, m in groups])
     picked = []
-    for row in sorted(np.random.default_rng(seed).choice(starts[-1], n, replace=False).tolist()):
+    for row in np.random.default_rng(seed).permutation(int(starts[-1])):
         i = int(np.searchsorted(starts, row, side="right") - 1)
         path, g, _ = groups[i]
         t = pq.ParquetFile(path).read_row_group(g, columns=["token", "sentence_id", "token_index", "elmo"])
-        r = t.slice(row - int(starts[i]), 1).to_pylist()[0]
+        offset = int(row - starts[i])
+        r = t.slice(offset, 1).to_pylist()[0]
+        before = t.slice(max(0, offset - r["token_index"]), min(offset, r["token_index"])).to_pylist()
+        if r["token_index"] > offset or any(
+            b["token"] == r["token"] and b["sentence_id"] == r["sentence_id"] for b in before
+        ):
+            continue  # an earlier use in the sentence (or the sentence starts in another row group)
         picked.append({**r, "vector": np.asarray(r.pop("elmo"), np.float32)})
+        if len(picked) == n:
+            break
     return picked
 
 
