@@ -82,7 +82,8 @@ def step_times(root: Path, rounds: int, steps: int = 3) -> tuple[float, float]:
     """Median seconds of ``train.step`` (small shape, 128 x 20): with prefetch, and on batches held in memory."""
 
     from elmo_core.options import TrainConfig
-    from elmo_core.train import setup, step
+    from elmo_core.train import setup
+    from elmo_core.train import train_step as step
     from elmo_core.vocab_file import write_vocab_file
 
     data = root / "data"

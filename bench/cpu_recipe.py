@@ -120,7 +120,8 @@ def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     from elmo_core.options import TrainConfig
-    from elmo_core.train import evaluate_heldout, log_metrics, save, setup, step
+    from elmo_core.train import evaluate_heldout, log_metrics, save, setup
+    from elmo_core.train import train_step as step
 
     folder = out / "runs" / f"{corpus}-{recipe}"
     progress_file = folder / "points.json"

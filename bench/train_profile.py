@@ -12,7 +12,7 @@ Parts, each run on the step's own batch and shapes, with gradients, in the step'
 * softmax: the sampled softmax and its loss for both directions;
 * optimizer: global-norm clipping and the Adagrad step.
 
-"other" is the whole step (``train.step``) less the parts: the glue between them (the top-layer dropout, the
+"other" is the whole step (``train.train_step``) less the parts: the glue between them (the top-layer dropout, the
 stacking of the layer inputs, the state's detach, the loss scaling, the metrics line). "casts" is, from a profiler
 pass over whole steps, the share of the step spent in dtype conversions and copies (inside the parts above).
 Data: the main job's corpus (Python's pydoc topics), ingested and counted as the main job does.
@@ -39,7 +39,8 @@ from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig  # noqa: E402
 from elmo_core.precision import autocast  # noqa: E402
 from elmo_core.prefetch import KEYS  # noqa: E402
 from elmo_core.softmax import sampled_softmax_loss  # noqa: E402
-from elmo_core.train import _clip_global_norm, setup, step  # noqa: E402
+from elmo_core.train import _clip_global_norm, setup  # noqa: E402
+from elmo_core.train import train_step as step  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)

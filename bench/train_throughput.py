@@ -13,7 +13,7 @@ Throughput: batches from the real batch generator over a generated Zipfian corpu
 negatives as bilm-tf, 512 for ``mini`` as the main job); the two precisions alternate in rounds so that both see
 the same machine. bf16 is autocast
 for the forward with float32 master weights, optimizer state, LSTM cell and softmax loss (``precision: bf16``).
-Main job (``--main-job``): ``train.step`` with the main job's defaults against its recipe before bench/cpu_recipe.py,
+Main job (``--main-job``): ``train.train_step`` with the main job's defaults against its recipe before bench/cpu_recipe.py,
 on this code. ``--against REV``: the main job's training as a user runs it, this checkout against the code at git
 revision REV (each with its own defaults then), on the same data: one worker process per tree, stepping in
 alternating rounds. ``--training-kernel`` (instead of the precision table): whole training steps with the reference
@@ -238,9 +238,10 @@ def quality(args: argparse.Namespace) -> None:
 
 def main_job(args: argparse.Namespace) -> None:
     """The main job's training as a user runs it (its defaults, torch's threads) against its defaults before, on
-    its own data (pydoc topics): tokens/s of ``train.step`` in alternating rounds, in one run."""
+    its own data (pydoc topics): tokens/s of ``train.train_step`` in alternating rounds, in one run."""
     from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-    from elmo_core.train import setup, step
+    from elmo_core.train import setup
+    from elmo_core.train import train_step as step
 
     with tempfile.TemporaryDirectory() as tmp:
         data = main_job_data(Path(tmp))
@@ -275,7 +276,9 @@ def main_job(args: argparse.Namespace) -> None:
 _MAIN_JOB_WORKER = """
 import sys, time
 from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-from elmo_core.train import setup, step
+import elmo_core.train as train
+from elmo_core.train import setup
+step = getattr(train, "train_step", None) or train.step  # named step before it was train_step
 options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
 options.update(tracking="none", device="cpu", max_steps=10**9)
 run = setup(TrainConfig(data=sys.argv[1], out=sys.argv[2], **options))

@@ -22,7 +22,7 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
     checkpoint training checkpoints (and the best weights) with their SHA-256, verified before use
     tracking   the tracker interface (MLflow or nothing) and MLflow model URIs
-    train      the training loop: setup, step, save/restore, finish; evaluation; DDP
+    train      the training loop: setup, train_step, save/restore, finish; evaluation; DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
     embed      embedding jobs → a Parquet dataset of token/sentence vectors, one job per folder
     probe      what each layer is worth: word-sense 1-NN and a linear tagging probe

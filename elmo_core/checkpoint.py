@@ -12,10 +12,13 @@ loads; a damaged one (truncated, zeroed, replaced) is named in one warning and t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from elmo_core.errors import CheckpointError
 from elmo_core.fileio import atomic_path, file_sha256, write_text_atomic
@@ -24,6 +27,53 @@ log = logging.getLogger(__name__)
 
 PATTERN = "step-*.pt"
 BEST_PATTERN = "best-*.pt"
+# what files written before a checkpoint kept one record per rank held instead: parallel lists, by rank
+PER_RANK_LISTS = {"samplers": "sampler", "batchers": "batcher", "torch_rng": "torch_rng", "lstm_states": "lstm_state"}
+
+
+@dataclass
+class RankState:
+    """What differs between DDP ranks: each reads its own sentences and samples its own negatives."""
+
+    sampler: dict[str, Tensor]
+    batcher: str  # the batcher's position as JSON
+    torch_rng: Tensor
+    cuda_rng: Tensor | None  # None on the CPU
+    lstm_state: tuple[Tensor, Tensor]
+
+
+@dataclass
+class Checkpoint:
+    """The keys of a checkpoint file (``torch.save`` of these fields): the model and optimizer, and one record per
+    rank of what differs between ranks."""
+
+    step: int
+    config: str  # the TrainConfig as JSON
+    run_id: str  # the MLflow run a resume continues ("" without tracking)
+    model: dict[str, Tensor]  # the BiLM's state dict, softmax included
+    optimizer: dict[str, Any]
+    ranks: list[RankState]
+
+    def payload(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"ranks": [asdict(r) for r in self.ranks]}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Checkpoint:
+        """A loaded file; one written with parallel per-rank lists (earlier versions) reads the same."""
+        payload = dict(payload)
+        if "ranks" not in payload:
+            cuda = payload.pop("cuda_rng", None) or []
+            lists = {field: payload.pop(key) for key, field in PER_RANK_LISTS.items()}
+            n = len(lists["batcher"])
+            payload["ranks"] = [
+                {
+                    **{field: values[r] for field, values in lists.items()},
+                    "cuda_rng": cuda[r] if len(cuda) == n else None,
+                }
+                for r in range(n)
+            ]
+        payload["ranks"] = [RankState(**r) for r in payload["ranks"]]
+        return cls(**payload)
 
 
 def checkpoint_dir(out: str | Path) -> Path:
@@ -151,3 +201,42 @@ def remove_best(out: str | Path) -> None:
     for path in _bests(out):
         path.unlink()
         digest_path(path).unlink(missing_ok=True)
+
+
+@dataclass
+class BestWeights:
+    """``export: best``: the step and heldout result of a run's lowest-perplexity weights so far. The weights are on
+    disk (``best-<step>.pt``, above); this one object decides what is kept, and finds and gives it back."""
+
+    out: Path
+    step: int | None = None
+    result: dict[str, float] | None = None  # the heldout evaluation of those weights
+
+    @classmethod
+    def resume(cls, out: Path, step: int) -> BestWeights:
+        """A run at ``step`` in its folder: the best so far; a run starting afresh forgets any of an earlier run, and
+        a resume from before the best step forgets it too (the same steps run again and find it again)."""
+        found = cls.on_disk(out, step) if step > 0 else None
+        if found is None:
+            remove_best(out)
+            return cls(out)
+        return cls(out, found[1]["step"], found[1]["perplexity"])
+
+    @staticmethod
+    def on_disk(out: Path, step: int) -> tuple[Path, dict[str, Any]] | None:
+        """A run folder's best weights from no later than ``step``, with their file: what the run exports."""
+        found = load_best(out)
+        return found if found is not None and found[1]["step"] <= step else None
+
+    def offer(self, step: int, result: dict[str, float], model: Callable[[], dict[str, Tensor]]) -> bool:
+        """Keep ``model()`` if ``result`` is the lowest heldout perplexity yet; True if it was kept."""
+        if not result or (self.result is not None and result["perplexity"] >= self.result["perplexity"]):
+            return False
+        self.step, self.result = step, result
+        write_best(self.out, step, {"step": step, "perplexity": result, "model": model()})
+        return True
+
+    def weights(self) -> dict[str, Tensor] | None:
+        """The kept weights, if the file on disk is still the one of ``step``."""
+        found = self.on_disk(self.out, self.step) if self.step is not None else None
+        return found[1]["model"] if found is not None and found[1]["step"] == self.step else None

@@ -13,8 +13,8 @@
 * A checkpoint (``checkpoint.py``) holds everything in ``Checkpoint``: an exact resume continues the same
   batches, samples and dropout masks. Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
 
-Read ``train`` at the bottom first: ``setup`` builds a ``Run``, ``step`` trains one batch, ``save``/``restore``
-move a ``Checkpoint`` in and out, ``finish`` evaluates, exports and registers the model.
+Read ``train`` at the bottom first: ``setup`` builds a ``Run``, ``train_step`` trains one batch (``run.step`` counts
+them), ``save``/``restore`` move a ``Checkpoint`` in and out, ``finish`` evaluates, exports and registers the model.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,13 @@ from elmo_core import cpu
 from elmo_core.batches import LMBatcher
 from elmo_core.chars import model_ids
 from elmo_core.checkpoint import (
+    BestWeights,
+    Checkpoint,
+    RankState,
     checkpoint_dir,
     list_checkpoints,
-    load_best,
     load_checkpoint,
     load_newest_valid,
-    remove_best,
-    write_best,
     write_checkpoint,
 )
 from elmo_core.errors import (
@@ -397,7 +397,7 @@ def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
 
 @dataclass
 class Run:
-    """Everything one training run holds. ``setup`` makes it; ``step``, ``save`` and ``restore`` change it."""
+    """Everything one training run holds. ``setup`` makes it; ``train_step``, ``save`` and ``restore`` change it."""
 
     config: TrainConfig
     out: Path
@@ -423,7 +423,7 @@ class Run:
     skipped: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
-    best: dict[str, Any] | None = None  # ``export: best``: step and heldout result of the best weights (on disk)
+    best: BestWeights | None = None  # ``export: best`` (rank 0): the best weights so far
 
     @property
     def tokens_per_step(self) -> int:
@@ -503,12 +503,12 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     )
     found = load_newest_valid(out) if config.resume else None
     if found is not None:
-        restore(run, Checkpoint(**found[1]))
+        restore(run, Checkpoint.from_payload(found[1]))
         log.info("resumed from %s at step %d", found[0], run.step)
     elif config.resume:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
-        _restore_best(run)
+        run.best = BestWeights.resume(out, run.step) if config.export == "best" else None
         _start_tracking(run, tracker, n_data_tokens, sparse)
     if ddp.nodes > 1 and config.tracking == "mlflow":
         run_id, uri = _gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
@@ -558,67 +558,30 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
 # ----- checkpoints: every key named once --------------------------------------------------------------
 
 
-@dataclass
-class RankState:
-    """What differs between DDP ranks: each reads its own sentences and samples its own negatives."""
-
-    sampler: dict[str, Tensor]
-    batcher: str  # the batcher's position as JSON
-    torch_rng: Tensor
-    cuda_rng: Tensor | None
-    lstm_state: tuple[Tensor, Tensor]
-
-    @classmethod
-    def capture(cls, run: Run) -> RankState:
-        state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
-        return cls(
-            sampler=run.sampler.state_dict(),
-            batcher=json.dumps(run.batches.state_dict()),
-            torch_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-            lstm_state=tuple(s.detach().cpu() for s in state),  # type: ignore[arg-type]
-        )
-
-    def apply(self, run: Run) -> None:
-        run.sampler.load_state_dict(self.sampler)
-        run.batches.load_state_dict(json.loads(self.batcher))
-        torch.set_rng_state(self.torch_rng)
-        if run.device.type == "cuda" and self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, run.device)
-        run.state = tuple(s.to(run.device) for s in self.lstm_state)  # type: ignore[assignment]
+def capture_rank(run: Run) -> RankState:
+    """This rank's part of a checkpoint."""
+    state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
+    return RankState(
+        sampler=run.sampler.state_dict(),
+        batcher=json.dumps(run.batches.state_dict()),
+        torch_rng=torch.get_rng_state(),
+        cuda_rng=torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+        lstm_state=tuple(s.detach().cpu() for s in state),  # type: ignore[arg-type]
+    )
 
 
-@dataclass
-class Checkpoint:
-    """The keys of a checkpoint file (``torch.save`` of these fields); per-rank lists are indexed by rank."""
-
-    step: int
-    config: str  # the TrainConfig as JSON
-    run_id: str  # the MLflow run a resume continues ("" without tracking)
-    model: dict[str, Tensor]  # the BiLM's state dict, softmax included
-    optimizer: dict[str, Any]
-    samplers: list[dict[str, Tensor]]
-    batchers: list[str]
-    torch_rng: list[Tensor]
-    cuda_rng: list[Tensor]  # empty on the CPU
-    lstm_states: list[tuple[Tensor, Tensor]]
-
-    def rank(self, rank: int) -> RankState:
-        return RankState(
-            sampler=self.samplers[rank],
-            batcher=self.batchers[rank],
-            torch_rng=self.torch_rng[rank],
-            cuda_rng=self.cuda_rng[rank] if self.cuda_rng else None,
-            lstm_state=self.lstm_states[rank],
-        )
-
-    def payload(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+def apply_rank(run: Run, rank: RankState) -> None:
+    run.sampler.load_state_dict(rank.sampler)
+    run.batches.load_state_dict(json.loads(rank.batcher))
+    torch.set_rng_state(rank.torch_rng)
+    if run.device.type == "cuda" and rank.cuda_rng is not None:
+        torch.cuda.set_rng_state(rank.cuda_rng, run.device)
+    run.state = tuple(s.to(run.device) for s in rank.lstm_state)  # type: ignore[assignment]
 
 
 def save(run: Run) -> Path | None:
     """Write the run's checkpoint (rank 0, with every rank's state); returns its path on rank 0."""
-    ranks: list[RankState] = _gather(run.ddp, RankState.capture(run))
+    ranks: list[RankState] = _gather(run.ddp, capture_rank(run))
     if not run.ddp.main:
         return None
     checkpoint = Checkpoint(
@@ -627,11 +590,7 @@ def save(run: Run) -> Path | None:
         run_id=run.tracker.run_id or "",
         model={k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
         optimizer=run.optimizer.state_dict(),
-        samplers=[r.sampler for r in ranks],
-        batchers=[r.batcher for r in ranks],
-        torch_rng=[r.torch_rng for r in ranks],
-        cuda_rng=[r.cuda_rng for r in ranks if r.cuda_rng is not None],
-        lstm_states=[r.lstm_state for r in ranks],
+        ranks=ranks,
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
@@ -648,12 +607,12 @@ def restore(run: Run, checkpoint: Checkpoint) -> None:
             f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "
             f"model or optimizer ({str(exc).splitlines()[0][:160]}); use a new out folder"
         ) from None
-    if len(checkpoint.batchers) != run.ddp.world:
+    if len(checkpoint.ranks) != run.ddp.world:
         raise CheckpointError(
-            f"{checkpoint_dir(run.out)}: written by {len(checkpoint.batchers)} processes, resumed by "
+            f"{checkpoint_dir(run.out)}: written by {len(checkpoint.ranks)} processes, resumed by "
             f"{run.ddp.world}; resume with the same number of processes"
         )
-    checkpoint.rank(run.ddp.rank).apply(run)
+    apply_rank(run, checkpoint.ranks[run.ddp.rank])
     run.step = checkpoint.step
     run.tracker.run_id = checkpoint.run_id or None
 
@@ -677,10 +636,10 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
         path, payload = found
     else:
         path, payload = source, load_checkpoint(source)
-    checkpoint = Checkpoint(**payload)
+    checkpoint = Checkpoint.from_payload(payload)
     config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
     step, weights = checkpoint.step, checkpoint.model
-    best = _best_weights(source, config, checkpoint.step) if source.is_dir() else None
+    best = BestWeights.on_disk(source, checkpoint.step) if source.is_dir() and config.export == "best" else None
     if best is not None:
         path, step, weights = best[0], best[1]["step"], best[1]["model"]
     vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
@@ -693,7 +652,7 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
 # ----- one step ---------------------------------------------------------------------------------------
 
 
-def step(run: Run) -> dict[str, float] | None:
+def train_step(run: Run) -> dict[str, float] | None:
     """Train on one batch: forward, backward, clip, update. Returns its losses, or None if a NaN batch was skipped."""
     config = run.config
     batch = run.batches.next()
@@ -776,37 +735,12 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
     return result
 
 
-def _best_weights(out: Path, config: TrainConfig, step: int) -> tuple[Path, dict[str, Any]] | None:
-    """With ``export: best``, a run folder's best weights from no later than ``step``: what the run exports."""
-    if config.export != "best":
-        return None
-    found = load_best(out)
-    return found if found is not None and found[1]["step"] <= step else None
-
-
-def _restore_best(run: Run) -> None:
-    """Rank 0 of ``export: best``: the best weights so far of the run being resumed; a run starting afresh in the
-    folder forgets any from an earlier run there, and a resume from before the best step forgets it too (the same
-    steps run again and find it again)."""
-    if run.config.export != "best":
-        return
-    found = _best_weights(run.out, run.config, run.step) if run.step > 0 else None
-    if found is not None:
-        run.best = {"step": found[1]["step"], "perplexity": found[1]["perplexity"]}
-    else:
-        remove_best(run.out)
-
-
 def keep_if_best(run: Run, result: dict[str, float]) -> None:
     """``export: best``: write the weights if this heldout result is the lowest so far (rank 0)."""
-    if run.config.export != "best" or not result or not run.ddp.main:
+    if run.best is None or not run.ddp.main:
         return
-    if run.best is not None and result["perplexity"] >= run.best["perplexity"]["perplexity"]:
-        return
-    run.best = {"step": run.step, "perplexity": result}
-    model = {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()}  # as ``save``: written before it moves
-    write_best(run.out, run.step, {**run.best, "model": model})
-    run.tracker.log_metrics({"best_heldout_perplexity": result["perplexity"]}, run.step)
+    if run.best.offer(run.step, result, lambda: {k: v.detach().cpu() for k, v in run.bilm.state_dict().items()}):
+        run.tracker.log_metrics({"best_heldout_perplexity": result["perplexity"]}, run.step)
 
 
 def _exported(run: Run, final: dict[str, float]) -> tuple[int, dict[str, float]]:
@@ -814,21 +748,21 @@ def _exported(run: Run, final: dict[str, float]) -> tuple[int, dict[str, float]]
     weights (the final evaluation included) are loaded into the model where they are not the final ones."""
     keep_if_best(run, final)
     best = run.best
-    if run.config.export != "best" or best is None or best["step"] == run.step:
+    if best is None or best.step is None or best.result is None or best.step == run.step:
         return run.step, final
-    found = _best_weights(run.out, run.config, run.step)
-    if found is None or found[1]["step"] != best["step"]:
-        log.warning("the best weights (step %d) are gone from %s; exporting the final ones", best["step"], run.out)
+    weights = best.weights()
+    if weights is None:
+        log.warning("the best weights (step %d) are gone from %s; exporting the final ones", best.step, run.out)
         return run.step, final
-    run.bilm.load_state_dict(found[1]["model"])  # after the final checkpoint: resuming is unaffected
+    run.bilm.load_state_dict(weights)  # after the final checkpoint: resuming is unaffected
     log.info(
         "exporting the weights of step %d: heldout perplexity %.2f, the lowest of the run (final step %d: %.2f)",
-        best["step"],
-        best["perplexity"]["perplexity"],
+        best.step,
+        best.result["perplexity"],
         run.step,
         final["perplexity"],
     )
-    return best["step"], best["perplexity"]
+    return best.step, best.result
 
 
 def finish(run: Run) -> TrainResult:
@@ -919,7 +853,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
         with track("train", run.total_steps, "steps", done=run.step) as progress:
             rate = TokenRate(run.tokens_per_step)
             while run.step < run.total_steps:
-                record = step(run)
+                record = train_step(run)
                 if record is not None:
                     rate.count()
                     progress.update(run.step, f"loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")

@@ -17,6 +17,8 @@ import psutil
 import pytest
 import torch
 
+from elmo_core.batches import SentenceStream
+from elmo_core.options import TrainConfig
 from elmo_core.train import latest_checkpoint
 from tests.helpers import ROOT
 from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture)
@@ -100,8 +102,31 @@ def test_two_ranks_launched_for_the_user_train_disjoint_sentences_to_one_model(t
     digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
     assert len(digests) == 2 and digests[0] == digests[1]
     payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
-    rows = [json.loads(b)["forward"]["rows"] for b in payload["batchers"]]
-    assert len(rows) == 2 and rows[0] != rows[1]
+    states = [json.loads(r["batcher"])["forward"] for r in payload["ranks"]]
+    assert len(states) == 2
+    read = [_sentences_read(fixture_data, rank, state) for rank, state in enumerate(states)]
+    assert read[0] and read[1] and not set(read[0]) & set(read[1])  # each rank read its own sentences, none twice
+    for rank, state in enumerate(states):  # the sentences a rank's rows were cut off in are among its own
+        for row in filter(None, state["rows"]):
+            assert any(tokens[len(tokens) - len(row[1]) :] == row[1] for tokens in read[rank].values())
+
+
+def _sentences_read(data: Path, rank: int, state: dict) -> dict[tuple[int, int, int], list[str]]:
+    """The sentences a rank of two had taken when its checkpoint was written, replayed from the same seeded order:
+    (epoch, row group position, row) → tokens."""
+    stream = SentenceStream(
+        sorted((data / "token_ids" / "train").glob("part-*.parquet")),
+        TrainConfig.model_fields["seed"].default,
+        rank=rank,
+        world=2,
+    )
+    target, read = (state["stream"]["epoch"], state["stream"]["unit"], state["stream"]["offset"]), {}
+    for group, row in stream:
+        taken = (stream.epoch, stream.unit, stream.offset)  # the position once this sentence is taken
+        if taken > target:
+            break
+        read[(stream.epoch, stream.unit, row)] = group.unread(row, 0)[1]
+    return read
 
 
 def test_a_rank_killed_ends_the_launch_in_one_line_naming_it_and_leaves_no_process(tmp_path, fixture_data):  # noqa: F811

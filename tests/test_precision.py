@@ -135,7 +135,7 @@ def test_cuda_asked_for_without_a_gpu_falls_back_to_the_cpu_with_a_warning(monke
 @needs_native_bf16
 def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path, bilm_tf_dir):
     from elmo_core.ingest import IngestConfig, ingest
-    from elmo_core.train import TrainConfig, setup, step
+    from elmo_core.train import TrainConfig, setup, train_step
     from elmo_core.vocab import VocabConfig, build_vocab
 
     ingest(
@@ -161,7 +161,7 @@ def test_bf16_training_keeps_float32_master_weights_and_optimizer_state(tmp_path
         )
     )
     assert run.precision == "bf16"
-    losses = [step(run)["loss"] for _ in range(5)]
+    losses = [train_step(run)["loss"] for _ in range(5)]
     assert all(np.isfinite(losses))
     assert all(p.dtype == torch.float32 for p in run.bilm.parameters())
     assert all(

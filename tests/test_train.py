@@ -233,7 +233,7 @@ def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
 def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_path):
     """Warm-up, then constant, inverse square root or cosine; the optimizer runs the rate of its step (so an exact
     resume needs no scheduler state)."""
-    from elmo_core.train import learning_rate_at, setup, step
+    from elmo_core.train import learning_rate_at, setup, train_step
 
     config = TrainConfig(
         data=str(fixture_data),
@@ -250,7 +250,7 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
     assert learning_rate_at(constant, 1, 20) == learning_rate_at(constant, 20, 20) == 0.01
     run = setup(config)
     for expected_step in range(1, 7):
-        step(run)
+        train_step(run)
         assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
 
 
@@ -319,7 +319,30 @@ def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
     )
     payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
     assert payload["step"] == 4 and "softmax.weight" in payload["model"]
-    assert set(payload) >= {"optimizer", "samplers", "batchers", "torch_rng", "lstm_states"}
+    assert set(payload) >= {"optimizer", "ranks"}
+    (rank,) = payload["ranks"]  # one record per rank, the same fields on every device
+    assert set(rank) == {"sampler", "batcher", "torch_rng", "cuda_rng", "lstm_state"} and rank["cuda_rng"] is None
+
+
+def test_a_checkpoint_of_parallel_per_rank_lists_reads_as_one_record_per_rank(fixture_data, tmp_path):
+    """Files written before one record per rank (lists by rank) still resume: the same records come out, and a CUDA
+    state list that does not line up with the ranks (some ranks on the CPU) is dropped, not misassigned."""
+    from elmo_core.checkpoint import Checkpoint
+
+    train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=2, **FIXTURE_OPTIONS))
+    payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
+    rank = payload["ranks"][0]
+    legacy = {k: v for k, v in payload.items() if k != "ranks"} | {
+        "samplers": [rank["sampler"]] * 2,
+        "batchers": [rank["batcher"], "{}"],
+        "torch_rng": [rank["torch_rng"]] * 2,
+        "cuda_rng": [torch.zeros(3, dtype=torch.uint8)],  # one of two ranks was on CUDA
+        "lstm_states": [rank["lstm_state"]] * 2,
+    }
+    checkpoint = Checkpoint.from_payload(legacy)
+    assert [r.batcher for r in checkpoint.ranks] == [rank["batcher"], "{}"]
+    assert [r.cuda_rng for r in checkpoint.ranks] == [None, None]
+    assert torch.equal(checkpoint.ranks[1].torch_rng, rank["torch_rng"]) and checkpoint.step == payload["step"]
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data, tmp_path, monkeypatch):
@@ -499,8 +522,8 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
     digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
     assert len(digests) == 2 and digests[0] == digests[1]
     payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
-    assert len(payload["batchers"]) == 2  # every rank's data position, for exact resume
-    rows = [json.loads(b)["forward"]["rows"] for b in payload["batchers"]]
+    assert len(payload["ranks"]) == 2  # every rank's data position, for exact resume
+    rows = [json.loads(r["batcher"])["forward"]["rows"] for r in payload["ranks"]]
     assert rows[0] != rows[1]  # each rank carries its own sentences (rank r takes every 2nd)
 
 
