@@ -430,21 +430,6 @@ def cmd_allennlp_elmo(config: AllennlpElmoConfig) -> None:
     )
 
 
-# kind: (options model, one-line help, description with an example); ``elmo probe KIND`` runs ``probe.run_KIND``
-PROBE_COMMANDS: dict[str, tuple[type[Options], str, str]] = {
-    "wsd": (
-        WsdConfig,
-        "word-sense 1-NN per layer (WordNet's examples by default)",
-        "Example: elmo probe wsd --model data/export --out data/probe_wsd  (--data senses.jsonl, or a WordNet folder)",
-    ),
-    "tag": (
-        TagConfig,
-        "a linear tagging probe per layer and over a learned scalar mix",
-        "Example: elmo probe tag --model data/export --train train.conllu --dev dev.conllu --out data/probe_tag",
-    ),
-}
-
-
 class Command(NamedTuple):
     """One ``elmo`` subcommand: its options model, what runs it, and its help."""
 
@@ -455,6 +440,7 @@ class Command(NamedTuple):
     description: str  # with an example
 
 
+# the one registry of subcommands; "GROUP NAME" is `elmo GROUP NAME` (GROUPS gives the group's own help)
 COMMANDS: dict[str, Command] = {
     "demo": Command(
         options=DemoConfig,
@@ -558,6 +544,25 @@ COMMANDS: dict[str, Command] = {
         help="what this machine runs (CPU, precisions, kernels) and, given one, a model directory",
         description="Example: elmo info data/export  (without a model: the machine alone)",
     ),
+    "probe wsd": Command(
+        options=WsdConfig,
+        handler=functools.partial(cmd_probe, "wsd"),
+        positional=(),
+        help="word-sense 1-NN per layer (WordNet's examples by default)",
+        description=(
+            "Example: elmo probe wsd --model data/export --out data/probe_wsd  (--data senses.jsonl, or a WordNet "
+            "folder)"
+        ),
+    ),
+    "probe tag": Command(
+        options=TagConfig,
+        handler=functools.partial(cmd_probe, "tag"),
+        positional=(),
+        help="a linear tagging probe per layer and over a learned scalar mix",
+        description=(
+            "Example: elmo probe tag --model data/export --train train.conllu --dev dev.conllu --out data/probe_tag"
+        ),
+    ),
     "allennlp-elmo": Command(
         options=AllennlpElmoConfig,
         handler=cmd_allennlp_elmo,
@@ -572,6 +577,14 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+GROUPS = {  # name: (one-line help, description)
+    "probe": (
+        "judge a model: word-sense 1-NN and a tagging probe, per layer",
+        "Probes write results.json and chart.png to --out and log an MLflow run.",
+    )
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     # no prefix abbreviations: `elmo ingest --split heldout` must never be read as --split-sentences
     parser = argparse.ArgumentParser(
@@ -579,8 +592,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (and the kernels that ran)")
     sub = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, Any] = {}
     for name, (model, _, positional, help_text, description) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=description, allow_abbrev=False)
+        group, _, leaf = name.rpartition(" ")
+        if group and group not in groups:
+            group_help, group_description = GROUPS[group]
+            parent = sub.add_parser(group, help=group_help, description=group_description, allow_abbrev=False)
+            groups[group] = parent.add_subparsers(dest="kind", required=True)
+        command = (groups[group] if group else sub).add_parser(
+            leaf, help=help_text, description=description, allow_abbrev=False
+        )
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
         add_fields(command, model, positional)
         if model is AllennlpElmoConfig:  # `allennlp elmo`'s own spelling of --output-format
@@ -594,17 +615,6 @@ def build_parser() -> argparse.ArgumentParser:
                     default=argparse.SUPPRESS,
                     help=f"{description}: as --output-format {kind}",
                 )
-    probe = sub.add_parser(
-        "probe",
-        help="judge a model: word-sense 1-NN and a tagging probe, per layer",
-        description="Probes write results.json and chart.png to --out and log an MLflow run.",
-        allow_abbrev=False,
-    )
-    kinds = probe.add_subparsers(dest="kind", required=True)
-    for name, (model, help_text, description) in PROBE_COMMANDS.items():
-        command = kinds.add_parser(name, help=help_text, description=description, allow_abbrev=False)
-        command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
-        add_fields(command, model)
     return parser
 
 
@@ -630,13 +640,9 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    name = args.command if args.command != "probe" else f"probe {args.kind}"
+    name = f"{args.command} {args.kind}" if args.command in GROUPS else args.command
     try:
-        if args.command == "probe":
-            model = PROBE_COMMANDS[args.kind][0]
-            handler = functools.partial(cmd_probe, args.kind)
-        else:
-            model, handler, _, _, _ = COMMANDS[args.command]
+        model, handler, _, _, _ = COMMANDS[name]
         handler(parse_config(model, args))
     except ElmoError as exc:
         print(f"elmo {name}: error: {exc}", file=sys.stderr)

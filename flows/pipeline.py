@@ -46,6 +46,7 @@ from elmo_core.vocab import build_vocab
 from elmo_core.weights import OPTIONS_NAME, WEIGHTS_NAME
 from flows.common import PROJECT_ROOT, RETRIED, fingerprint_files, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
+from flows.summary import print_summary
 
 # The main job's defaults for the default corpus (prose paragraphs): the options a user's dict is laid over.
 MAIN_JOB_INGEST = IngestOptions(tokenizer="unicode", split_sentences=True, heldout_fraction=0.05)
@@ -337,7 +338,7 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
         "query": embedded["query"] if embedded else None,
         "register_as": params.train.register_as,
     }
-    _print_summary(summary)
+    print_summary(summary)
     return summary
 
 
@@ -366,48 +367,6 @@ def _stage_configs(
         **params.train.model_dump(exclude={"bf16"}),
     )
     return ingest, vocab, train
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    ppl = s["perplexity"]
-    lines = [
-        "",
-        "ELMo pipeline finished.",
-        f"  corpus      {s['ingest']}",
-        f"  vocabulary  {int(s['vocab_size']):,} entries",
-    ]
-    for split, result in ppl.items():
-        lines.append(
-            f"  {split:<11} perplexity {result['perplexity']:.1f} (forward {result['perplexity_forward']:.1f}, "
-            f"backward {result['perplexity_backward']:.1f}; unigram {result['perplexity_unigram']:.1f})"
-        )
-    lines.append(f"  model       {s['model_dir']}  (bilm-tf/AllenNLP format: options.json, weights.hdf5, vocab.txt)")
-    if s["mlflow_run_id"]:
-        store = s["tracking_uri"]
-        lines += [
-            f"  MLflow run  {s['mlflow_run_id']}, registered as {s['mlflow_model_uri']}"
-            + (f" (the newest version is always models:/{s['register_as']}/latest)" if s["register_as"] else ""),
-            "              see it: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui "
-            f"--backend-store-uri {store} --workers 1 --port 5000",
-            f"              then {s['mlflow_link']}",
-        ]
-    if s["embeddings"]:
-        lines += [
-            f"  vectors     {s['embeddings']}  (the probe sentences)",
-            f"  query them  .venv/bin/elmo query {s['embeddings']} --token apples "
-            "--sentence 'I like to eat apples with a little honey .'",
-            "  or in the duckdb shell:",
-            *("    " + q for q in s["query"].splitlines()),
-        ]
-    model, work = s["model_dir"], Path(s["model_dir"]).parent
-    tagging = "data/probes/tagging"
-    lines += [
-        f"  judge it    .venv/bin/elmo probe wsd --model {model} --out {work / 'probe_wsd'}   (WordNet 3.0's examples:",
-        "              sudo apt-get install wordnet-base), and a tagging probe per layer:",
-        f"              .venv/bin/elmo probe tag --model {model} --train {tagging}/train.tsv --dev {tagging}/dev.tsv "
-        f"--test {tagging}/test.tsv --out {work / 'probe_tag'}",
-    ]
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

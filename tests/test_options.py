@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import sys
 import typing
 from pathlib import Path
 
@@ -27,12 +28,11 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def test_every_cli_flag_is_a_field_and_every_field_a_flag():
-    from elmo_core.cli import PROBE_COMMANDS
-
     commands = _subparsers(build_parser())
     probes = _subparsers(commands.pop("probe"))
     pairs = [(COMMANDS[name][0], command) for name, command in commands.items()]
-    pairs += [(PROBE_COMMANDS[name][0], command) for name, command in probes.items()]
+    pairs += [(COMMANDS[f"probe {name}"][0], command) for name, command in probes.items()]
+    assert len(pairs) == len(COMMANDS)  # every registered command has its parser, and no other
     for model, command in pairs:
         name = command.prog
         dests = {a.dest for a in command._actions} - NOT_FIELDS
@@ -142,3 +142,16 @@ def test_the_deprecated_bf16_flags_map_onto_precision(caplog):
     assert "'bf16' is deprecated; use precision: bf16" in caplog.text
     args = build_parser().parse_args(["embed", "--model", "m", "--input", "i", "--out", "o", "--bf16"])
     assert parse_config(COMMANDS["embed"][0], args).precision == "bf16"
+
+
+def test_the_main_jobs_summary_names_commands_as_this_installation_runs_them(monkeypatch, tmp_path):
+    from flows.summary import command
+
+    bin_dir = Path(sys.executable).parent  # .venv/bin in a clone
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the venv not activated: its path, relative where inside
+    monkeypatch.chdir(bin_dir.parent.parent)
+    assert command("elmo") == str(Path(bin_dir.parent.name) / bin_dir.name / "elmo")
+    monkeypatch.chdir(tmp_path)
+    assert command("elmo") == str(bin_dir / "elmo")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")  # activated: the bare name
+    assert command("elmo") == "elmo"
