@@ -695,29 +695,35 @@ class AnnIndex:
     def search(
         self, query: np.ndarray, k: int, skip: Callable[[Row], bool], candidates: int | None = None
     ) -> list[Row]:
-        """The ``k`` rows nearest ``query``: each shard's IVF candidates, re-ranked by exact cosine, merged.
+        """The ``k`` rows nearest ``query``: the ``candidates`` best by their 8-bit codes over all shards (each
+        shard's own best, merged: what one index over the same parts would propose), re-ranked by exact cosine.
 
-        ``candidates`` per shard (default ``max(8k, 100)``) is doubled while rows the query leaves out (``skip``,
-        parts gone from the table) leave fewer than ``k``.
+        ``candidates`` (default ``max(4k, 50)``) grows while rows the query leaves out (parts gone from the table)
+        leave fewer than ``k``; only the candidates' vectors are read.
         """
-        want = candidates or max(8 * k, 100)
-        q = _normalized(np.asarray(query)[None, :])
         import faiss
 
+        want = candidates or max(4 * k, 50)
+        q = _normalized(np.asarray(query)[None, :])
         params = faiss.SearchParametersIVF(nprobe=self.nprobe)
         while True:
-            found: list[Row] = []
-            short = False
-            for shard in self.shards:
+            scores, shard_of, positions, short = [], [], [], False
+            for i, shard in enumerate(self.shards):
                 n = min(want, shard.index.ntotal)
-                _, ids = shard.index.search(q, n, params=params)
-                positions = ids[0][shard.alive(ids[0])]
-                if n < shard.index.ntotal and len(positions) < n:
-                    short = True
-                if len(positions):
-                    sims = shard.cosine(positions, query)
-                    top = _top(sims, k + 1)  # the query's own row may be among them
-                    found.extend(r for r in shard.rows(positions[top], sims[top]) if not skip(r))
+                score, ids = shard.index.search(q, n, params=params)
+                keep = shard.alive(ids[0])
+                short |= n < shard.index.ntotal and int(keep.sum()) < n
+                scores.append(score[0][keep])
+                positions.append(ids[0][keep])
+                shard_of.append(np.full(int(keep.sum()), i))
+            score, shard_ix, pos = (np.concatenate(x) for x in (scores, shard_of, positions))
+            best = np.argsort(-score, kind="stable")[:want]
+            found: list[Row] = []
+            for i in np.unique(shard_ix[best]):
+                mine = pos[best][shard_ix[best] == i]
+                sims = self.shards[i].cosine(mine, query)
+                top = _top(sims, k + 1)  # the query's own row may be among them
+                found.extend(r for r in self.shards[i].rows(mine[top], sims[top]) if not skip(r))
             if len(found) >= k or not short:
                 return sorted(found, key=order_key)[:k]
             want *= 4
