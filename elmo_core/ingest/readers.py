@@ -11,7 +11,7 @@ import io
 import json
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -30,18 +30,29 @@ READ_BLOCK_BYTES = 1 << 23  # text is read, checked and tokenized this many byte
 
 
 @dataclass
-class FileStats:
-    path: str
-    format: str
-    records: int = 0
+class Counts:
+    """What ingest counts, per file (``FileStats``) and summed over a run (``run.IngestSummary``): one set of
+    counters, kept once."""
+
     sentences: int = 0
     duplicates: int = 0
     rejected_lines: int = 0
     invalid_utf8_lines: int = 0
-    empty_lines: int = 0
-    split_long: int = 0
+    empty_lines: int = 0  # blank lines, or text without a token
+    split_long: int = 0  # sentences longer than max_tokens, cut into pieces
     overlap: int = 0  # sentences both in train and in a heldout/test source (see shards.py)
     overlap_dropped: int = 0  # of those, dropped from train (--drop-overlap)
+
+    def add_counts(self, other: Counts) -> None:
+        for f in fields(Counts):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class FileStats(Counts):
+    path: str = ""
+    format: str = ""
+    records: int = 0
     overlap_example: str | None = None
     examples: list[str] = field(default_factory=list)
     progress: Callable[[int], None] | None = None  # hears the bytes of the file read so far
@@ -76,7 +87,7 @@ def content_sha256(path: Path) -> str:
         return hashlib.file_digest(stream, "sha256").hexdigest()  # type: ignore[arg-type]
 
 
-def _line_blocks(path: Path, stats: FileStats | None = None) -> Iterator[tuple[int, memoryview, np.ndarray]]:
+def line_blocks(path: Path, stats: FileStats | None = None) -> Iterator[tuple[int, memoryview, np.ndarray]]:
     """(number of lines before, whole lines, where each line ends) of a file, ``READ_BLOCK_BYTES`` at a time.
 
     NUL bytes reject the file as binary. Line ends are offsets just past each line's newline (or the
@@ -131,7 +142,7 @@ def _decode_lines(data: bytes, path: Path, first_line: int, stats: FileStats) ->
     return lines
 
 
-def _line_array(data: memoryview, ends: np.ndarray, path: Path, first_line: int, stats: FileStats) -> pa.StringArray:
+def line_array(data: memoryview, ends: np.ndarray, path: Path, first_line: int, stats: FileStats) -> pa.StringArray:
     """The lines of a block as one Arrow array laid over the block's bytes (no copy, no Python per line).
 
     Each line keeps its newline (the trim in ``_ShardWriter`` drops it). Arrow validates the UTF-8; a block
@@ -151,7 +162,7 @@ def _line_array(data: memoryview, ends: np.ndarray, path: Path, first_line: int,
 
 def _text_lines(path: Path, stats: FileStats) -> Iterator[tuple[int, str]]:
     """(1-based line number, line) of a text file, decoded to str."""
-    for before, data, _ in _line_blocks(path, stats):
+    for before, data, _ in line_blocks(path, stats):
         yield from enumerate(_decode_lines(bytes(data), path, before + 1, stats), before + 1)
 
 
@@ -176,7 +187,7 @@ def record_split(value: object, where: str, field_name: str, stats: FileStats) -
     return split
 
 
-def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str, str | None]]:
+def read_records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str, str | None]]:
     """(record position, text, split named by ``split_field`` or None) of one input file: a JSON line, a Parquet
     row, or (--split-sentences) a paragraph."""
     if config.split_field and fmt == "text":
@@ -235,7 +246,7 @@ def _records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> It
                     continue
             yield f"l{line_no}", value, split
         return
-    # plain text: one sentence per line goes through _line_array in _write_shard; here, paragraphs
+    # plain text: one sentence per line goes through line_array in _write_shard; here, paragraphs
     paragraph: list[str] = []
     start = 0
     for line_no, line in _text_lines(path, stats):

@@ -24,7 +24,7 @@ from elmo_core.ingest.manifest import (
     open_manifest,
     record_failure,
 )
-from elmo_core.ingest.readers import FileStats, content_sha256
+from elmo_core.ingest.readers import Counts, FileStats, content_sha256
 from elmo_core.ingest.shards import write_shard
 from elmo_core.options import IngestConfig
 from elmo_core.progress import Progress, track
@@ -36,18 +36,14 @@ LOCK_NAME = ".ingest.lock"  # hidden: the dataset's readers skip it
 
 
 @dataclass
-class IngestSummary:
+class IngestSummary(Counts):
+    """A run's counts: the files' ``Counts`` summed, and what only a run knows (files, bytes, tokens, time)."""
+
     files_ingested: int = 0
     files_skipped: int = 0
     files_failed: int = 0
     bytes_read: int = 0
-    sentences: int = 0
     tokens: int = 0
-    duplicates: int = 0
-    rejected_lines: int = 0
-    invalid_utf8_lines: int = 0
-    overlap: int = 0  # sentences both in train and in a heldout/test source
-    overlap_dropped: int = 0
     overlap_example: str | None = None
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -57,13 +53,8 @@ class IngestSummary:
         """Count one ingested file."""
         self.files_ingested += 1
         self.bytes_read += bytes_read
-        self.sentences += stats.sentences
         self.tokens += tokens
-        self.duplicates += stats.duplicates
-        self.rejected_lines += stats.rejected_lines
-        self.invalid_utf8_lines += stats.invalid_utf8_lines
-        self.overlap += stats.overlap
-        self.overlap_dropped += stats.overlap_dropped
+        self.add_counts(stats)
         self.overlap_example = self.overlap_example or stats.overlap_example
         self.warnings.extend(stats.examples)
 
@@ -90,7 +81,8 @@ class IngestSummary:
             f"ingest: {self.files_ingested} files ingested, {self.files_skipped} unchanged, "
             f"{self.files_failed} failed; "
             f"{self.sentences:,} sentences, {self.tokens:,} tokens, {self.duplicates:,} duplicates dropped, "
-            f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8; "
+            f"{self.rejected_lines:,} rejected lines, {self.invalid_utf8_lines:,} lines with invalid UTF-8, "
+            f"{self.empty_lines:,} empty lines, {self.split_long:,} over-long sentences cut; "
             f"{mb:,.1f} MB in {self.seconds:.1f} s ({mb / max(self.seconds, 1e-9):,.1f} MB/s)"
             + (f"; {self.overlap_line()}" if self.overlap else "")
         )
@@ -163,7 +155,8 @@ def _ingest_file(run: _Ingest, item: Input, label: str) -> None:
         return
     fmt = file_format(path)
     at_start = run.done_bytes
-    stats = FileStats(str(path), fmt, progress=lambda at: run.progress.update((at_start + at) / 1e6, path.name))
+    progress = lambda at: run.progress.update((at_start + at) / 1e6, path.name)  # noqa: E731
+    stats = FileStats(path=str(path), format=fmt, progress=progress)
     entry = FileEntry(path=path, stat=stat, sha256=sha, stats=stats, split=item.split)
     shard = run.out / f"part-{entry.key}.parquet"
     shard.unlink(missing_ok=True)  # a shard renamed just before a crash is redone

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.ingest.readers import FileStats, _line_array, _line_blocks, _records
+from elmo_core.ingest.readers import FileStats, line_array, line_blocks, read_records
 from elmo_core.options import IngestConfig
 from elmo_core.tokenize import get_tokenizer, split_sentences, split_whitespace
 
@@ -181,8 +181,43 @@ class _ShardWriter:
     def _write(
         self, texts: pa.StringArray, records: pa.StringArray, one_per_record: bool, source: bytes | None = None
     ) -> None:
+        """Tokenize a batch, drop empty texts, cut over-long ones, name, split and deduplicate the sentences, and
+        queue the rows for writing."""
         if not len(texts):
             return
+        texts, tokens, counts, records = self._tokenized(texts, records, source)
+        if (counts > self.config.max_tokens).any():
+            texts, tokens, records = self._split_long(texts, tokens, records, counts)
+            counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
+            one_per_record = False
+        if not len(records):
+            return
+        doc_ids = pc.binary_join_element_wise(f"{self.key}:", records, "")
+        ordinals = "0" if one_per_record else pc.cast(pa.array(_ordinals_within_runs(doc_ids)), pa.string())
+        hashes = sentence_hashes(self.con, texts)
+        splits = self._splits(records, hashes)
+        table = pa.table(
+            {
+                "doc_id": doc_ids,
+                "sentence_id": pc.binary_join_element_wise(doc_ids, ordinals, ":"),
+                "text": texts,
+                "tokens": tokens,
+                "n_tokens": pa.array(counts.astype(np.int32)),
+                "source": pa.repeat(pa.scalar(self.source, pa.string()), len(records)),
+                "split": splits,
+            },
+            schema=SHARD_SCHEMA,
+        )
+        if self.config.dedup:
+            keep = self._unique(hashes, splits, texts)
+            if not keep.all():
+                table = table.filter(pa.array(keep))
+        self._queue(table)
+
+    def _tokenized(
+        self, texts: pa.StringArray, records: pa.StringArray, source: bytes | None
+    ) -> tuple[pa.StringArray, pa.ListArray, np.ndarray, pa.StringArray]:
+        """(texts, tokens, token counts, records), texts trimmed and those without a token dropped (counted)."""
         texts = pc.utf8_trim_whitespace(texts)  # also drops the newline, and the \r of CRLF files
         if self.config.tokenizer == "whitespace":
             tokens = split_whitespace(texts, source)
@@ -192,51 +227,27 @@ class _ShardWriter:
         # Arrow splits "" into [""]: a trimmed empty text has no tokens whatever the count says
         offsets = np.frombuffer(texts.buffers()[1], np.int32)[texts.offset : texts.offset + len(texts) + 1]
         empty = (counts == 0) | (offsets[1:] == offsets[:-1])
-        if empty.any():  # blank lines, or text without a single token
-            self.stats.empty_lines += int(empty.sum())
-            nonempty = np.flatnonzero(~empty)
-            texts, tokens, counts, records = (
-                texts.take(nonempty),
-                tokens.take(nonempty),
-                counts[nonempty],
-                records.take(nonempty),
-            )
-        if (counts > self.config.max_tokens).any():
-            texts, tokens, records = self._split_long(texts, tokens, records, counts)
-            counts = pc.list_value_length(tokens).to_numpy(zero_copy_only=False)
-            one_per_record = False
-        n = len(records)
-        if not n:
-            return
-        doc_ids = pc.binary_join_element_wise(f"{self.key}:", records, "")
-        ordinals = "0" if one_per_record else pc.cast(pa.array(_ordinals_within_runs(doc_ids)), pa.string())
-        sentence_ids = pc.binary_join_element_wise(doc_ids, ordinals, ":")
-        hashes = sentence_hashes(self.con, texts)
-        splits = self._splits(records, hashes)
+        if not empty.any():
+            return texts, tokens, counts, records
+        self.stats.empty_lines += int(empty.sum())  # blank lines, or text without a single token
+        nonempty = np.flatnonzero(~empty)
+        return texts.take(nonempty), tokens.take(nonempty), counts[nonempty], records.take(nonempty)
+
+    def _unique(self, hashes: np.ndarray, splits: pa.Array, texts: pa.Array) -> np.ndarray:
+        """Which sentences are new in their pool (this file's earlier batches and the committed files); counts
+        duplicates and train/heldout overlap."""
         pools = self._pools(splits)
-        keep = np.ones(n, dtype=bool)
-        if self.config.dedup:
-            for pool in np.unique(pools):
-                at = np.flatnonzero(pools == pool)
-                keep[at] = self._first_seen(hashes[at], str(pool))
-            self.stats.duplicates += int(n - keep.sum())
-            self._overlap(hashes, pools, texts, keep)
-        table = pa.table(
-            {
-                "doc_id": doc_ids,
-                "sentence_id": sentence_ids,
-                "text": texts,
-                "tokens": tokens,
-                "n_tokens": pa.array(counts.astype(np.int32)),
-                "source": pa.repeat(pa.scalar(self.source, pa.string()), n),
-                "split": splits,
-            },
-            schema=SHARD_SCHEMA,
-        )
-        if not keep.all():
-            table = table.filter(pa.array(keep))
+        keep = np.ones(len(hashes), dtype=bool)
+        for pool in np.unique(pools):
+            at = np.flatnonzero(pools == pool)
+            keep[at] = self._first_seen(hashes[at], str(pool))
+        self.stats.duplicates += int(len(keep) - keep.sum())
+        self._overlap(hashes, pools, texts, keep)
+        return keep
+
+    def _queue(self, table: pa.Table) -> None:
+        """Parquet encoding (Arrow, GIL released) overlaps with tokenizing the next block; one block in flight."""
         if table.num_rows:
-            # Parquet encoding (Arrow, GIL released) overlaps with tokenizing the next block; one block in flight
             self._wait_for_write()
             self._pending = self._io.submit(self.writer.write_table, table, row_group_size=self.config.row_group_size)
         self.stats.sentences += table.num_rows
@@ -351,10 +362,10 @@ def write_shard(
     writer = _ShardWriter(path, key, config=config, tmp=tmp, con=con, stats=stats, split=split)
     try:
         if fmt == "text" and not config.split_sentences:
-            for before, data, ends in _line_blocks(path, stats):
-                writer.add_lines(before, _line_array(data, ends, path, before + 1, stats), data.obj)
+            for before, data, ends in line_blocks(path, stats):
+                writer.add_lines(before, line_array(data, ends, path, before + 1, stats), data.obj)
         else:
-            for record, text, record_split in _records(path, fmt, config, stats):
+            for record, text, record_split in read_records(path, fmt, config, stats):
                 stats.records += 1
                 writer.add(record, text, record_split)
     finally:
