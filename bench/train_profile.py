@@ -34,8 +34,8 @@ from corpus_gen import main_job_data  # noqa: E402
 from train_throughput import bench_shape  # noqa: E402
 
 from elmo_core.chars import model_ids  # noqa: E402
-from elmo_core.model import Packing  # noqa: E402
 from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig  # noqa: E402
+from elmo_core.packing import Packing  # noqa: E402
 from elmo_core.precision import autocast  # noqa: E402
 from elmo_core.prefetch import KEYS  # noqa: E402
 from elmo_core.softmax import sampled_softmax_loss  # noqa: E402

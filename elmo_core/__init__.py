@@ -18,15 +18,17 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
     lstm_math  TensorFlow's LSTMCell arithmetic, once: the reference the model runs and the kernels match
     kernels/   the CPU's speed kernels, of inference and of training, and the choice of them (cache, packed,
                int8, fused_gates + lstm_gates.c, trained_step, char_cnn + char_cnn.c, cells, choice)
+    packing    where each token of a batch sits in packed, time-major LSTM data, and back to a layout
     model      char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix (one forward path)
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
-    checkpoint training checkpoints (and the best weights) with their SHA-256, verified before use
+    checkpoint training checkpoints (one record per rank; the best weights) with their SHA-256, verified before use
     tracking   the tracker interface (MLflow or nothing) and MLflow model URIs
     train      the training loop: setup, train_step, save/restore, finish; evaluation; DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
     embed      embedding jobs → a Parquet dataset of token/sentence vectors, one job per folder
     probe      what each layer is worth: word-sense 1-NN and a linear tagging probe
-    query      DuckDB nearest-neighbour queries over embedding tables
+    ann        the nearest-neighbour index beside an embedding table (faiss shards, exact re-ranking, a key map)
+    query      nearest-neighbour queries over embedding tables: through the index, else a DuckDB scan
     corpus     the default corpus (Python's pydoc topics)
     mlflow_model  an exported model as an MLflow pyfunc model
     allennlp/  the drop-in for AllenNLP's ELMo: Elmo, ElmoEmbedder, their state-dict keys, install()

@@ -34,7 +34,6 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,6 +50,7 @@ from elmo_core.kernels import Kernels, TrainingKernels, choose, choose_training
 from elmo_core.kernels.char_cnn import conv_max
 from elmo_core.kernels.trained_step import Window
 from elmo_core.lstm_math import reference_gates, stacked
+from elmo_core.packing import Packing, TokenBatch, with_boundaries
 from elmo_core.precision import resolve_precision
 from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
 
@@ -330,188 +330,21 @@ class ElmoLstm(nn.Module):
 # ----- 3. the biLM ----------------------------------------------------------------------------------
 
 
-@dataclass
-class _Tokens:
-    """A batch as the LSTMs read it: each distinct token's embedding once, and which one every (row, step) takes."""
-
-    table: Tensor  # (U, P)
-    forward: Tensor  # (B, W) table rows in reading order
-    backward: Tensor | None  # (B, W) the backward LSTM's own stream (training); None: it reads each row reversed
-    lengths: Tensor  # (B,) steps of each row, boundaries included
-    mask: Tensor  # (B, T) real tokens of the input
-    boundaries: bool  # whether <S>/</S> were added around each row
-
-
-@dataclass
-class Packing:
-    """Where each (row, step) of a batch sits in packed, time-major data (rows sorted longest first).
-
-    Step t holds the first ``batch_sizes[t]`` sorted rows; ``position(row, t) = offsets[t] + rank[row]``.
-    """
-
-    order: Tensor  # (B,) original row of each sorted row
-    rank: Tensor  # (B,) sorted position of each original row
-    batch_sizes: list[int]
-    offsets: Tensor  # (T,) packed index of step t's first row
-    lengths: Tensor  # (B,) original order, on the CPU, at least 1
-    real_lengths: Tensor  # (B,) the same before the clamp: 0 for a row with nothing to read
-
-    @classmethod
-    def of(cls, lengths: Tensor) -> Packing:
-        real = lengths.detach().cpu()
-        lengths = real.clamp(min=1)  # a 0-length row runs one dummy step (its outputs are dropped)
-        order = torch.sort(lengths, descending=True, stable=True).indices
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(len(order))
-        total = int(lengths.max()) if len(lengths) else 0
-        counts = (lengths[None, :] > torch.arange(total)[:, None]).sum(1)
-        offsets = torch.zeros(total, dtype=torch.long)
-        if total > 1:
-            offsets[1:] = counts.cumsum(0)[:-1]
-        return cls(order, rank, counts.tolist(), offsets, lengths, real)
-
-    def position(self, rows: Tensor, steps: Tensor) -> Tensor:
-        return self.offsets[steps] + self.rank[rows]
-
-    def read(self, forward: Tensor, backward: Tensor | None) -> Tensor:
-        """(2, N): the table row each direction reads at each packed position. The backward LSTM reads its own
-        stream, or else each row from its end."""
-        sorted_lengths = self.lengths[self.order]
-        t, r = torch.nonzero(torch.arange(len(self.offsets))[:, None] < sorted_lengths[None, :], as_tuple=True)
-        rows, steps = (x.to(forward.device) for x in (self.order[r], t))
-        if backward is not None:
-            return torch.stack([forward[rows, steps], backward[rows, steps]])
-        reversed_steps = self.lengths.to(forward.device)[rows] - 1 - steps
-        return torch.stack([forward[rows, steps], forward[rows, reversed_steps]])
-
-    def slots(self, rows: Tensor, steps: Tensor, aligned: bool, device: torch.device, valid: Tensor | None) -> Slots:
-        """The packed positions whose outputs go to output slots (rows, steps) (CPU, steps < each row's length).
-        ``aligned``: the backward output of step t comes from the backward LSTM's step length-1-t."""
-        forward = self.position(rows, steps)
-        backward = self.position(rows, self.lengths[rows] - 1 - steps) if aligned else forward
-        mask = valid.reshape(-1, 1).to(device) if valid is not None else None
-        return Slots(forward.to(device), backward.to(device), aligned, mask)
-
-    def padded_slots(self, tokens: _Tokens, keep_boundaries: bool) -> tuple[Slots, tuple[int, int], Tensor]:
-        """Slots of the (B, T) (or (B, T+2) with the boundaries kept) layout, and its mask."""
-        batch, width = tokens.forward.shape
-        shift = 1 if tokens.boundaries and not keep_boundaries else 0  # slot t shows step t + 1: after <S>
-        out_width = width - 2 * shift
-        rows = torch.arange(batch).repeat_interleave(out_width)
-        steps = torch.arange(out_width).repeat(batch) + shift
-        valid = steps < tokens.lengths.cpu()[rows] - shift
-        slots = self.slots(rows, torch.where(valid, steps, 0), tokens.backward is None, tokens.table.device, valid)
-        if tokens.boundaries and keep_boundaries:
-            mask = torch.arange(width, device=tokens.lengths.device)[None, :] < tokens.lengths[:, None]
-        else:
-            mask = tokens.mask
-        return slots, (batch, out_width), mask
-
-    def token_slots(self, tokens: _Tokens) -> tuple[Slots, Tensor]:
-        """Slots of the real tokens, row after row (boundaries left out), and each row's count."""
-        counts = tokens.lengths.cpu() - (2 if tokens.boundaries else 0)
-        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        steps = torch.arange(len(rows)) - starts[rows] + (1 if tokens.boundaries else 0)
-        return self.slots(rows, steps, tokens.backward is None, tokens.table.device, None), counts
-
-
-@dataclass
-class Slots:
-    """Where each output position takes its vectors from: indices into the packed forward and backward outputs.
-    The one place packed outputs become a layout (padded (B, W) or the rows of the real tokens)."""
-
-    forward: Tensor  # (M,)
-    backward: Tensor  # (M,)
-    aligned: bool
-    valid: Tensor | None  # (M, 1) bool: False at padding (zeroed); None where every slot is a real step
-
-    def unpack(self, out: Tensor) -> Tensor:
-        """Packed outputs (2, N, P) of one layer ─► (M, 2P): [forward; backward] per slot."""
-        x = torch.cat([out[0].index_select(0, self.forward), out[1].index_select(0, self.backward)], dim=-1)
-        return x * self.valid.to(x.dtype) if self.valid is not None else x
-
-    def embeddings(self, table: Tensor, ids: Tensor) -> Tensor:
-        """Layer 0, [e; e] per slot: the token embeddings each direction read there (the same token where aligned)."""
-        e_f = table.index_select(0, ids[0].index_select(0, self.forward))
-        e_b = e_f if self.aligned else table.index_select(0, ids[1].index_select(0, self.backward))
-        x = torch.cat([e_f, e_b], dim=-1)
-        return x * self.valid.to(x.dtype) if self.valid is not None else x
-
-
-def _with_boundaries(inputs: Tensor, bos: Tensor, eos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Every row of ids (B, T[, C]) (0 = padding) becomes ``<S> tokens </S>``, empty rows too, as AllenNLP's
-    ``add_sentence_boundary_token_ids``: (ids (B, T+2[, C]), lengths with the boundaries (B,), mask (B, T))."""
-    mask = (inputs > 0).any(-1) if inputs.dim() == 3 else inputs > 0
-    batch, total = inputs.shape[:2]
-    lengths = mask.sum(1)
-    rows = torch.arange(batch, device=inputs.device)
-    ids = inputs.new_zeros(batch, total + 2, *inputs.shape[2:])
-    ids[:, 1 : total + 1] = inputs * (mask.unsqueeze(-1) if inputs.dim() == 3 else mask)
-    ids[:, 0] = bos
-    ids[rows, lengths + 1] = eos
-    return ids, lengths + 2, mask
-
-
 def _precision_of(kernels: Kernels | None) -> contextlib.AbstractContextManager:
     """The autocast a call runs under: its kernels' (bf16 where chosen), else the caller's own."""
     return kernels.autocast() if kernels is not None else contextlib.nullcontext()
 
 
-class BiLM(nn.Module):
-    """The bidirectional language model of ELMo: token encoder + forward/backward LSTM stacks (+ softmax).
+class KernelChoice:
+    """What runs a biLM's calls, chosen once (``kernels.choose`` / ``choose_training``) and looked up per call: a
+    part of ``BiLM`` kept apart so its class reads as the network. Needs ``config``, ``device``, ``kernels``,
+    ``training_kernels`` and ``_choices`` (set by ``BiLM.__init__``)."""
 
-    ``forward`` takes ids **without** sentence boundaries (as ``batch_to_ids`` makes them), adds ``<S>``/``</S>``,
-    and returns the L+1 layers with the boundaries removed, the mask, and the LSTM state after each row's last
-    token. Each row starts from ``state`` (zeros when None): pass a call's returned state into the next call
-    for bilm-tf's stateful protocol (``inference.StateCarry`` does so across batches of changing size).
-    """
-
-    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None) -> None:
-        super().__init__()
-        self.config = config
-        p = config.lstm.projection_dim
-        self.token_encoder = TokenEncoder(config.char_cnn, p)
-        self.lstm = ElmoLstm(config.lstm)
-        # bilm-tf's softmax: one (V, P) table and bias shared by both directions
-        self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
-        self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
-        self.kernels: Kernels | None = None  # what runs inference, once ``prepare`` chose it; None: the reference
-        self.training_kernels: TrainingKernels | None = None  # calls with gradients, once ``prepare_training`` chose
-        self._choices: dict[Kernels, Kernels] = {}
-        max_chars = config.char_cnn.max_characters_per_token
-        self.register_buffer(
-            "boundary_char_ids",
-            torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(),
-            persistent=False,
-        )
-
-    # --- weight files and kernels --------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(
-        cls,
-        options_file: str,
-        weight_file: str | None = None,
-        device: str | torch.device = "cpu",
-        vocab_file: str | None = None,
-        precision: str = "fp32",
-    ) -> BiLM:
-        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory), in eval mode,
-        prepared for inference in ``precision``."""
-        config, state_dict, vocab = read_model_files(options_file, weight_file, vocab_file)
-        model = cls(config, vocab=vocab)
-        missing, unexpected = model.load_state_dict(state_dict, strict=False)
-        if missing or unexpected:
-            raise WeightFileError(
-                f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
-            )
-        model = model.to(device).eval()
-        model.prepare(precision)
-        return model
-
-    def save_pretrained(self, directory: str) -> None:
-        """Write options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
-        write_model_files(directory, self.config, self.state_dict(), self.vocab)
+    config: ModelConfig
+    kernels: Kernels | None
+    training_kernels: TrainingKernels | None
+    _choices: dict[Kernels, Kernels]
+    device: torch.device
 
     def prepare(self, precision: str = "fp32", **choices: Any) -> Kernels:
         """Choose, once, what runs this model's inference on its device in ``precision`` (``kernels.choose``;
@@ -570,6 +403,62 @@ class BiLM(nn.Module):
             return None
         return kernels
 
+
+class BiLM(KernelChoice, nn.Module):
+    """The bidirectional language model of ELMo: token encoder + forward/backward LSTM stacks (+ softmax).
+
+    ``forward`` takes ids **without** sentence boundaries (as ``batch_to_ids`` makes them), adds ``<S>``/``</S>``,
+    and returns the L+1 layers with the boundaries removed, the mask, and the LSTM state after each row's last
+    token. Each row starts from ``state`` (zeros when None): pass a call's returned state into the next call
+    for bilm-tf's stateful protocol (``inference.StateCarry`` does so across batches of changing size).
+    """
+
+    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        p = config.lstm.projection_dim
+        self.token_encoder = TokenEncoder(config.char_cnn, p)
+        self.lstm = ElmoLstm(config.lstm)
+        # bilm-tf's softmax: one (V, P) table and bias shared by both directions
+        self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
+        self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
+        self.kernels: Kernels | None = None  # what runs inference, once ``prepare`` chose it; None: the reference
+        self.training_kernels: TrainingKernels | None = None  # calls with gradients, once ``prepare_training`` chose
+        self._choices: dict[Kernels, Kernels] = {}
+        max_chars = config.char_cnn.max_characters_per_token
+        self.register_buffer(
+            "boundary_char_ids",
+            torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(),
+            persistent=False,
+        )
+
+    # --- weight files ----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        options_file: str,
+        weight_file: str | None = None,
+        device: str | torch.device = "cpu",
+        vocab_file: str | None = None,
+        precision: str = "fp32",
+    ) -> BiLM:
+        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory), in eval mode,
+        prepared for inference in ``precision``."""
+        config, state_dict, vocab = read_model_files(options_file, weight_file, vocab_file)
+        model = cls(config, vocab=vocab)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        if missing or unexpected:
+            raise WeightFileError(
+                f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+        model = model.to(device).eval()
+        model.prepare(precision)
+        return model
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
+        write_model_files(directory, self.config, self.state_dict(), self.vocab)
+
     @property
     def output_dim(self) -> int:
         return 2 * self.config.lstm.projection_dim
@@ -617,28 +506,26 @@ class BiLM(nn.Module):
 
     def _tokens(
         self, inputs: Tensor, token_table: Tensor | None, backward_inputs: Tensor | None, kernels: Kernels | None
-    ) -> _Tokens:
+    ) -> TokenBatch:
         """The batch's token table and reading order; <S>/</S> added around every row unless two streams are given."""
         if backward_inputs is not None:  # training's two streams of windows: boundaries are already in them
             batch, total, chars = inputs.shape
             table, index = self._distinct_chars(torch.cat([inputs, backward_inputs]).view(-1, chars), kernels)
             index, mask = index.view(2 * batch, total), (inputs > 0).any(-1)
-            return _Tokens(table, index[:batch], index[batch:], mask.sum(1), mask, boundaries=False)
+            return TokenBatch(table, index[:batch], index[batch:], mask.sum(1), mask, boundaries=False)
         if inputs.dim() == 2 and token_table is None:
             raise ValueError("(B, T) token ids need their token_table (see inference.TokenCache)")
         if inputs.dim() not in (2, 3):
             raise ValueError(f"expected (B, T, C) char ids or (B, T) token ids, got shape {tuple(inputs.shape)}")
         if inputs.dim() == 3:
-            ids, lengths, mask = _with_boundaries(inputs, self.boundary_char_ids[0], self.boundary_char_ids[1])
+            ids, lengths, mask = with_boundaries(inputs, self.boundary_char_ids[0], self.boundary_char_ids[1])
             table, index = self._distinct_chars(ids.view(-1, ids.shape[-1]), kernels)
-            return _Tokens(table, index.view(ids.shape[:2]), None, lengths, mask, boundaries=True)
+            return TokenBatch(table, index.view(ids.shape[:2]), None, lengths, mask, boundaries=True)
         boundary = self._encode(self.boundary_char_ids, kernels)
         table = torch.cat([token_table.to(boundary), boundary])  # type: ignore[union-attr]
         vocab_rows = token_table.shape[0]  # type: ignore[union-attr]
-        index, lengths, mask = _with_boundaries(
-            inputs, inputs.new_tensor(vocab_rows), inputs.new_tensor(vocab_rows + 1)
-        )
-        return _Tokens(table, index, None, lengths, mask, boundaries=True)
+        index, lengths, mask = with_boundaries(inputs, inputs.new_tensor(vocab_rows), inputs.new_tensor(vocab_rows + 1))
+        return TokenBatch(table, index, None, lengths, mask, boundaries=True)
 
     # --- forward -------------------------------------------------------------------------------------
     def forward(

@@ -409,18 +409,23 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
         "learned_mix": learned_mix,
         **scores,
     }
+    _finish(config, out, results, metrics=_tag_metrics(results, scores), tracker=tracker, model_dir=model_dir)
+    return results
+
+
+def _tag_metrics(results: dict[str, Any], scores: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """The tagging probe's MLflow metrics: per configuration on test (else dev) and on dev, the learned mix."""
     metrics = {"probe/tokens_per_s": results["tokens_per_s"]}
     report = "test" if "test" in scores else "dev"
     for kind in ("accuracy", "macro_f1"):
         short = "acc" if kind == "accuracy" else kind
         metrics |= {f"tag/{short}/{n}": v for n, v in scores[report][kind].items()}
         metrics |= {f"tag/dev_{short}/{n}": v for n, v in scores["dev"][kind].items()}
+    learned_mix = results["learned_mix"]
     if learned_mix:
-        metrics |= {f"tag/mix_weight/layer_{k}": w for k, w in enumerate(learned_mix["weights"])} | {
-            "tag/gamma": learned_mix["gamma"]
-        }
-    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=model_dir)
-    return results
+        metrics |= {f"tag/mix_weight/layer_{k}": w for k, w in enumerate(learned_mix["weights"])}
+        metrics["tag/gamma"] = learned_mix["gamma"]
+    return metrics
 
 
 # ----- results ------------------------------------------------------------------------------------------------

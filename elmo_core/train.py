@@ -430,9 +430,8 @@ class Run:
         return self.config.batch_size * self.config.unroll_steps * self.ddp.world
 
 
-def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
-    """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
-    torch.manual_seed(config.seed)
+def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
+    """This process's device and place among the ranks (its GPU under torchrun, its share of the cores on a CPU)."""
     device = pick_device(config.device)
     ddp = _init_distributed(device)
     share = cpu.apply_thread_share()  # a launched CPU rank: its share of the machine's cores (launch.py)
@@ -442,6 +441,25 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         device = torch.device("cuda", ddp.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    return device, ddp
+
+
+def _sparse_softmax(config: TrainConfig, n_vocab: int, ddp: Rank) -> bool:
+    """Sparse softmax gradients: asked for, or by default for a large vocabulary with Adagrad on one process."""
+    sparse = (
+        config.sparse_softmax
+        if config.sparse_softmax is not None
+        else (n_vocab > 50_000 and config.optimizer == "adagrad" and ddp.world == 1)
+    )
+    if sparse and (config.optimizer != "adagrad" or ddp.world > 1):
+        raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
+    return sparse
+
+
+def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
+    """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
+    torch.manual_seed(config.seed)
+    device, ddp = _device_and_rank(config)
     out, data = Path(config.out), Path(config.data)
     vocab_path = data / VOCAB_NAME_IN_DATA
     vocab = read_vocab_file(vocab_path)
@@ -453,13 +471,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     bilm = _build_model(config, vocab).to(device)
     if config.compile:
         bilm.token_encoder = torch.compile(bilm.token_encoder)  # type: ignore[assignment]
-    sparse = (
-        config.sparse_softmax
-        if config.sparse_softmax is not None
-        else (len(vocab) > 50_000 and config.optimizer == "adagrad" and ddp.world == 1)
-    )
-    if sparse and (config.optimizer != "adagrad" or ddp.world > 1):
-        raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
+    sparse = _sparse_softmax(config, len(vocab), ddp)
     objective = LMObjective(bilm, config.dropout, sparse).train()
     model: nn.Module = objective
     if ddp.world > 1:
@@ -501,6 +513,14 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
     )
+    _resume_and_track(run, tracker, n_data_tokens, sparse)
+    return run
+
+
+def _resume_and_track(run: Run, tracker: Tracker | None, n_data_tokens: int, sparse: bool) -> None:
+    """Restore the newest valid checkpoint (``resume``), the best weights so far, and the tracking (rank 0; one
+    system-metrics logger per other machine)."""
+    config, out, ddp = run.config, run.out, run.ddp
     found = load_newest_valid(out) if config.resume else None
     if found is not None:
         restore(run, Checkpoint.from_payload(found[1]))
@@ -514,7 +534,6 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         run_id, uri = _gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
         if not ddp.main and ddp.local_rank == 0 and run_id and uri:  # one per other machine, into rank 0's run
             run.node_metrics = NodeSystemMetrics(run_id, uri, f"node{ddp.node}")
-    return run
 
 
 def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, sparse: bool) -> None:

@@ -315,16 +315,7 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
         ),
     )
 
-    embedded = None
-    if params.probes:  # the probe sentences' own table, replaced whenever the model changes
-        embedded = embed_flow(
-            EmbedConfig(
-                model=model_dir,
-                input=str(_absolute(params.probes)),
-                out=str(workdir / "probe_vectors"),
-                **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True},
-            )
-        )
+    embedded = _embed_probes(params, model_dir, workdir) if params.probes else None
     summary = {
         "ingest": ingested["line"],
         "vocab_size": stats["vocab_size"],
@@ -340,6 +331,18 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     }
     print_summary(summary)
     return summary
+
+
+def _embed_probes(params: PipelineParams, model_dir: str, workdir: Path) -> dict[str, Any]:
+    """The probe sentences' own table, replaced whenever the model changes."""
+    return embed_flow(
+        EmbedConfig(
+            model=model_dir,
+            input=str(_absolute(params.probes)),
+            out=str(workdir / "probe_vectors"),
+            **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True},
+        )
+    )
 
 
 def _stage_configs(

@@ -30,6 +30,7 @@ LAYERS = [
     "inference",
     "lstm_math",  # the reference LSTM arithmetic, shared by the kernels and the model
     "kernels",  # the CPU's speed kernels (inference, training), a package of their own (PACKAGES below)
+    "packing",
     "model",
     "__init__",  # weight files, running over sentences, the network
     "softmax",
@@ -172,3 +173,17 @@ def test_elmo_help_imports_no_stage_module():
     code = "import elmo_core.cli as cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass"
     loaded = _modules_loaded_by(code)
     assert not [m for m in loaded if m.startswith(("elmo_core.", "duckdb", "prefect", "mlflow"))], loaded
+
+
+def test_no_function_over_60_lines_no_class_over_200_and_the_model_under_700():
+    """The sizes a reader can hold in mind (a long function is several steps that want names)."""
+    too_long = []
+    for path in [*(ROOT / "elmo_core").rglob("*.py"), *(ROOT / "flows").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and lines > 60:
+                too_long.append(f"{path.relative_to(ROOT)}: {node.name}() {lines} lines")
+            if isinstance(node, ast.ClassDef) and lines > 200:
+                too_long.append(f"{path.relative_to(ROOT)}: class {node.name} {lines} lines")
+    assert not too_long
+    assert len((ROOT / "elmo_core" / "model.py").read_text(encoding="utf-8").splitlines()) <= 700

@@ -9,7 +9,8 @@ import torch
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.config import tiny
 from elmo_core.inference import StateCarry
-from elmo_core.model import Packing, init_bilm_tf
+from elmo_core.model import init_bilm_tf
+from elmo_core.packing import Packing
 from tests.helpers import assert_same_vectors, cpu_precisions, needs_native_bf16
 
 SENTENCES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,8 @@ from elmo_core.kernels.fused_gates import SOURCES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_the_wheel_ships_every_c_source_the_kernels_compile(tmp_path):
-    """A wheel without one of them falls back to the slow reference paths on first use, with only a warning."""
+def _build_wheel(tmp_path: Path) -> Path:
+    """A wheel of the project's sources (copied, so nothing built in the clone leaks in)."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -33,6 +33,56 @@ def test_the_wheel_ships_every_c_source_the_kernels_compile(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("elmo_pipeline-*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_every_c_source_the_kernels_compile(tmp_path):
+    """A wheel without one of them falls back to the slow reference paths on first use, with only a warning."""
+    wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in SOURCES:
         assert f"elmo_core/kernels/{source.name}" in names
+
+
+@pytest.mark.slow
+def test_the_wheel_in_a_fresh_venv_runs_the_kernels_the_clone_runs(tmp_path):
+    """Installed from the wheel into a new venv, run outside any source tree: `elmo info` says the same kernels
+    (C gates and char CNN compiled, oneDNN packing, int8) as the clone's. The venv borrows the clone's installed
+    dependencies by a path line (torch is not downloaded again), not its editable install of the project."""
+    wheel = _build_wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    (site,) = (venv / "lib").glob("python*/site-packages")
+    (site / "clone_dependencies.pth").write_text(
+        "\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n"  # a plain path: its .pth files not run
+    )
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    done = subprocess.run(
+        [*pip, "install", "--no-deps", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import elmo_core; print(elmo_core.__file__)"],
+        cwd=outside,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel's copy, not the clone
+
+    def info(elmo: Path, cwd: Path, env: dict[str, str]) -> list[str]:
+        result = subprocess.run([str(elmo), "info"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.splitlines()
+
+    fresh_cache = {**os.environ, "ELMO_CACHE_DIR": str(tmp_path / "cache")}  # compiled from the wheel's sources
+    installed = info(venv / "bin" / "elmo", outside, fresh_cache)
+    assert list((tmp_path / "cache").glob("**/*.so"))
+    assert "C kernels (LSTM gates, char CNN backward): yes" in installed
+    assert installed == info(Path(sys.executable).parent / "elmo", ROOT, dict(os.environ))

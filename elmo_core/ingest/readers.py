@@ -187,66 +187,68 @@ def record_split(value: object, where: str, field_name: str, stats: FileStats) -
     return split
 
 
-def read_records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[tuple[str, str, str | None]]:
-    """(record position, text, split named by ``split_field`` or None) of one input file: a JSON line, a Parquet
-    row, or (--split-sentences) a paragraph."""
+Record = tuple[str, str, str | None]  # (record position, text, split named by split_field or None)
+
+
+def read_records(path: Path, fmt: str, config: IngestConfig, stats: FileStats) -> Iterator[Record]:
+    """(record position, text, split named by ``split_field`` or None) of one input file: a Parquet row, a JSON
+    line, or (--split-sentences) a paragraph."""
     if config.split_field and fmt == "text":
         raise InputError(f"{path}: --split-field names a JSONL field or Parquet column; a text file has none")
-    if fmt == "parquet":
-        try:
-            pf = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
-        columns = [config.text_column, *([config.split_field] if config.split_field else [])]
-        for column, flag in zip(columns, ("--text-column", "--split-field")):
-            if column not in pf.schema_arrow.names:
-                raise InputError(
-                    f"{path}: no column {column!r} (columns: {', '.join(pf.schema_arrow.names)}); use {flag}"
-                )
-        row = 0
-        for batch in pf.iter_batches(columns=columns, batch_size=65_536):
-            splits = batch.column(1).to_pylist() if config.split_field else [None] * batch.num_rows
-            for value, named in zip(batch.column(0).to_pylist(), splits):
-                row += 1
-                if not isinstance(value, str):
-                    stats.rejected_lines += 1
-                    stats.example(
-                        f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text"
-                    )
-                    continue
-                split = (
-                    record_split(named, f"{path}:row {row}", config.split_field, stats) if config.split_field else None
-                )
-                if config.split_field and split is None:
-                    continue
-                yield f"r{row}", value, split
-        return
-    if fmt == "jsonl":
-        for line_no, line in _text_lines(path, stats):
-            if not line.strip():
-                stats.empty_lines += 1
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                stats.rejected_lines += 1
-                stats.example(f"{path}:{line_no}", f"invalid JSON ({exc.msg} at column {exc.colno})")
-                continue
-            value = obj.get(config.text_field) if isinstance(obj, dict) else None
+    readers = {"parquet": _parquet_records, "jsonl": _jsonl_records}
+    return readers.get(fmt, _paragraphs)(path, config, stats)
+
+
+def _parquet_records(path: Path, config: IngestConfig, stats: FileStats) -> Iterator[Record]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({exc})") from None
+    columns = [config.text_column, *([config.split_field] if config.split_field else [])]
+    for column, flag in zip(columns, ("--text-column", "--split-field")):
+        if column not in pf.schema_arrow.names:
+            raise InputError(f"{path}: no column {column!r} (columns: {', '.join(pf.schema_arrow.names)}); use {flag}")
+    row = 0
+    for batch in pf.iter_batches(columns=columns, batch_size=65_536):
+        splits = batch.column(1).to_pylist() if config.split_field else [None] * batch.num_rows
+        for value, named in zip(batch.column(0).to_pylist(), splits):
+            row += 1
             if not isinstance(value, str):
                 stats.rejected_lines += 1
-                stats.example(
-                    f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field"
-                )
+                stats.example(f"{path}:row {row}", f"column {config.text_column!r} is {type(value).__name__}, not text")
                 continue
-            split = None
-            if config.split_field:
-                split = record_split(obj.get(config.split_field), f"{path}:{line_no}", config.split_field, stats)
-                if split is None:
-                    continue
-            yield f"l{line_no}", value, split
-        return
-    # plain text: one sentence per line goes through line_array in _write_shard; here, paragraphs
+            split = record_split(named, f"{path}:row {row}", config.split_field, stats) if config.split_field else None
+            if config.split_field and split is None:
+                continue
+            yield f"r{row}", value, split
+
+
+def _jsonl_records(path: Path, config: IngestConfig, stats: FileStats) -> Iterator[Record]:
+    for line_no, line in _text_lines(path, stats):
+        if not line.strip():
+            stats.empty_lines += 1
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            stats.rejected_lines += 1
+            stats.example(f"{path}:{line_no}", f"invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        value = obj.get(config.text_field) if isinstance(obj, dict) else None
+        if not isinstance(value, str):
+            stats.rejected_lines += 1
+            stats.example(f"{path}:{line_no}", f"field {config.text_field!r} missing or not a string; use --text-field")
+            continue
+        split = None
+        if config.split_field:
+            split = record_split(obj.get(config.split_field), f"{path}:{line_no}", config.split_field, stats)
+            if split is None:
+                continue
+        yield f"l{line_no}", value, split
+
+
+def _paragraphs(path: Path, config: IngestConfig, stats: FileStats) -> Iterator[Record]:
+    """Plain text split into sentences: paragraphs (one sentence per line goes through ``line_array`` instead)."""
     paragraph: list[str] = []
     start = 0
     for line_no, line in _text_lines(path, stats):

@@ -107,11 +107,77 @@ class _HashSet:
         return np.concatenate(self._runs) if self._runs else np.zeros(0, np.int64)
 
 
+class _Dedup:
+    """Inline deduplication of one file's sentences: against the file's earlier batches (hash sets per pool) and,
+    with one DuckDB semi-join per batch, against the ``seen`` table of files already committed."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, stats: FileStats, drop_overlap: bool) -> None:
+        self.con, self.stats, self.drop_overlap = con, stats, drop_overlap
+        self._in_file: dict[str, _HashSet] = {}  # pool ─► hashes of the sentences kept from this file
+
+    def unique(self, hashes: np.ndarray, pools: np.ndarray, texts: pa.Array) -> np.ndarray:
+        """Which sentences are new in their pool (this file's earlier batches and the committed files); counts
+        duplicates and train/heldout overlap."""
+        keep = np.ones(len(hashes), dtype=bool)
+        for pool in np.unique(pools):
+            at = np.flatnonzero(pools == pool)
+            keep[at] = self._first_seen(hashes[at], str(pool))
+        self.stats.duplicates += int(len(keep) - keep.sum())
+        self._overlap(hashes, pools, texts, keep)
+        return keep
+
+    def _first_seen(self, hashes: np.ndarray, pool: str) -> np.ndarray:
+        """True for the first copy of each hash of ``pool`` in this file that no committed file holds in it."""
+        candidates, first = np.unique(hashes, return_index=True)  # sorted, which makes the lookups cache-friendly
+        known = self._known(candidates, KNOWN_IN_POOL, {"pool": pool})
+        in_file = self._in_file.setdefault(pool, _HashSet())
+        fresh = ~in_file.contains(candidates) & ~known
+        in_file.add(candidates[fresh])
+        keep = np.zeros(len(hashes), dtype=bool)
+        keep[first[fresh]] = True
+        return keep
+
+    def _known(self, values: np.ndarray, query: str, parameters: dict | None = None) -> np.ndarray:
+        """Which of ``values`` the committed files' ``seen`` table holds, by ``query``."""
+        self.con.register("new_hashes", pa.table({"hash": values}))
+        try:
+            known = self.con.execute(query, parameters or {}).fetchnumpy()["hash"]
+        finally:
+            self.con.unregister("new_hashes")
+        return np.isin(values, known) if len(known) else np.zeros(len(values), dtype=bool)
+
+    def _overlap(self, hashes: np.ndarray, pools: np.ndarray, texts: pa.Array, keep: np.ndarray) -> None:
+        """Count the kept sentences that are both in train and in a heldout/test source (committed, or earlier in
+        this file), keep the first as an example, and with ``drop_overlap`` drop the train copies."""
+        corpus, fixed = np.flatnonzero((pools == "corpus") & keep), np.flatnonzero((pools != "corpus") & keep)
+        fixed_here = [s for p, s in self._in_file.items() if p != "corpus"]
+        corpus_here = self._in_file.get("corpus")
+        in_fixed = self._known(hashes[corpus], KNOWN_IN_FIXED) if len(corpus) else np.zeros(0, dtype=bool)
+        for hash_set in fixed_here:
+            in_fixed |= hash_set.contains(hashes[corpus])
+        in_corpus = self._known(hashes[fixed], KNOWN_IN_CORPUS) if len(fixed) else np.zeros(0, dtype=bool)
+        if corpus_here is not None:
+            in_corpus |= corpus_here.contains(hashes[fixed])
+        both = np.concatenate([corpus[in_fixed], fixed[in_corpus]])
+        if not len(both):
+            return
+        self.stats.overlap += len(np.unique(hashes[both]))  # a shared sentence counts once, whichever side
+        if self.stats.overlap_example is None:
+            self.stats.overlap_example = str(texts[int(both[0])])
+        if self.drop_overlap and in_fixed.any():
+            keep[corpus[in_fixed]] = False
+            self.stats.overlap_dropped += int(in_fixed.sum())
+
+    def kept(self) -> dict[str, np.ndarray]:
+        """The hashes of the kept sentences, by pool: what the manifest's ``seen`` table gets at commit."""
+        return {pool: hash_set.values() for pool, hash_set in self._in_file.items()}
+
+
 class _ShardWriter:
     """Collects (record, text) pairs; writes them tokenized and deduplicated to the shard's ``.tmp`` file.
 
-    Dedup is inline: a batch's sentence hashes are checked against this file's earlier hashes and,
-    with one DuckDB semi-join, against the ``seen`` table of files already committed.
+    Dedup is inline (``_Dedup``): a batch's sentence hashes are checked against this file's earlier hashes and the
+    files already committed.
 
     A record's sentences are numbered k = 0, 1, … (sentence splitting and over-long pieces both count), so
     ``sentence_id`` = ``<key>:<record>:<k>`` and ``doc_id`` = ``<key>:<record>``.
@@ -146,7 +212,7 @@ class _ShardWriter:
         )
         self.records: list[str] = []  # a label per text: "l<line>" or "r<row>" (JSONL lines, Parquet rows)
         self.texts: list[str] = []
-        self._in_file: dict[str, _HashSet] = {}  # pool ─► hashes of the sentences kept from this file
+        self.dedup = _Dedup(con, stats, config.drop_overlap)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parquet-writer")
         self._pending: Future | None = None
 
@@ -209,7 +275,7 @@ class _ShardWriter:
             schema=SHARD_SCHEMA,
         )
         if self.config.dedup:
-            keep = self._unique(hashes, splits, texts)
+            keep = self.dedup.unique(hashes, self._pools(splits), texts)
             if not keep.all():
                 table = table.filter(pa.array(keep))
         self._queue(table)
@@ -233,18 +299,6 @@ class _ShardWriter:
         nonempty = np.flatnonzero(~empty)
         return texts.take(nonempty), tokens.take(nonempty), counts[nonempty], records.take(nonempty)
 
-    def _unique(self, hashes: np.ndarray, splits: pa.Array, texts: pa.Array) -> np.ndarray:
-        """Which sentences are new in their pool (this file's earlier batches and the committed files); counts
-        duplicates and train/heldout overlap."""
-        pools = self._pools(splits)
-        keep = np.ones(len(hashes), dtype=bool)
-        for pool in np.unique(pools):
-            at = np.flatnonzero(pools == pool)
-            keep[at] = self._first_seen(hashes[at], str(pool))
-        self.stats.duplicates += int(len(keep) - keep.sum())
-        self._overlap(hashes, pools, texts, keep)
-        return keep
-
     def _queue(self, table: pa.Table) -> None:
         """Parquet encoding (Arrow, GIL released) overlaps with tokenizing the next block; one block in flight."""
         if table.num_rows:
@@ -267,48 +321,6 @@ class _ShardWriter:
         if self.split is None and not self.record_splits:
             return np.full(len(names), "corpus", dtype=object)
         return np.where(np.isin(names, FIXED_SPLITS), names, "corpus")
-
-    def _first_seen(self, hashes: np.ndarray, pool: str) -> np.ndarray:
-        """True for the first copy of each hash of ``pool`` in this file that no committed file holds in it."""
-        candidates, first = np.unique(hashes, return_index=True)  # sorted, which makes the lookups cache-friendly
-        known = self._known(candidates, KNOWN_IN_POOL, {"pool": pool})
-        in_file = self._in_file.setdefault(pool, _HashSet())
-        fresh = ~in_file.contains(candidates) & ~known
-        in_file.add(candidates[fresh])
-        keep = np.zeros(len(hashes), dtype=bool)
-        keep[first[fresh]] = True
-        return keep
-
-    def _known(self, values: np.ndarray, query: str, parameters: dict | None = None) -> np.ndarray:
-        """Which of ``values`` the committed files' ``seen`` table holds, by ``query``."""
-        self.con.register("new_hashes", pa.table({"hash": values}))
-        try:
-            known = self.con.execute(query, parameters or {}).fetchnumpy()["hash"]
-        finally:
-            self.con.unregister("new_hashes")
-        return np.isin(values, known) if len(known) else np.zeros(len(values), dtype=bool)
-
-    def _overlap(self, hashes: np.ndarray, pools: np.ndarray, texts: pa.Array, keep: np.ndarray) -> None:
-        """Count the kept sentences that are both in train and in a heldout/test source (committed, or earlier in
-        this file), keep the first as an example, and with ``drop_overlap`` drop the train copies."""
-        corpus, fixed = np.flatnonzero((pools == "corpus") & keep), np.flatnonzero((pools != "corpus") & keep)
-        fixed_here = [s for p, s in self._in_file.items() if p != "corpus"]
-        corpus_here = self._in_file.get("corpus")
-        in_fixed = self._known(hashes[corpus], KNOWN_IN_FIXED) if len(corpus) else np.zeros(0, dtype=bool)
-        for hash_set in fixed_here:
-            in_fixed |= hash_set.contains(hashes[corpus])
-        in_corpus = self._known(hashes[fixed], KNOWN_IN_CORPUS) if len(fixed) else np.zeros(0, dtype=bool)
-        if corpus_here is not None:
-            in_corpus |= corpus_here.contains(hashes[fixed])
-        both = np.concatenate([corpus[in_fixed], fixed[in_corpus]])
-        if not len(both):
-            return
-        self.stats.overlap += len(np.unique(hashes[both]))  # a shared sentence counts once, whichever side
-        if self.stats.overlap_example is None:
-            self.stats.overlap_example = str(texts[int(both[0])])
-        if self.config.drop_overlap and in_fixed.any():
-            keep[corpus[in_fixed]] = False
-            self.stats.overlap_dropped += int(in_fixed.sum())
 
     def _split_long(
         self, texts: pa.Array, tokens: pa.Array, records: pa.StringArray, counts: np.ndarray
@@ -344,7 +356,7 @@ class _ShardWriter:
         finally:
             self._io.shutdown(wait=True)
             self.writer.close()
-        return {pool: hash_set.values() for pool, hash_set in self._in_file.items()}
+        return self.dedup.kept()
 
 
 def write_shard(
