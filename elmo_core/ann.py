@@ -533,6 +533,7 @@ class Shard:
         self.record, self.header = record, header
         files = record.files(folder)
         self.index = faiss.read_index(str(files[0]), faiss.IO_FLAG_MMAP)
+        self.index.parallel_mode = 1  # one query at a time: its inverted lists split over the threads, not queries
         self.vectors = np.load(files[1], mmap_mode="r")
         self.meta = pa.ipc.open_file(pa.memory_map(str(files[2]))).read_all()
         self.order = np.load(files[3], mmap_mode="r")
