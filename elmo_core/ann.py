@@ -266,7 +266,9 @@ def plan_build(
         stale.unlink(missing_ok=True)
     notes: list[str] = []
     current = read_header(folder)
-    if current is not None and not rebuild:
+    if current is None:  # nothing, or a first build killed between its quantizer and its header: start afresh
+        rebuild = True
+    elif not rebuild:
         differs = current.differs(facts.header)
         if differs:
             notes.append(f"the table changed ({differs}): rebuilding the index")

@@ -236,3 +236,15 @@ def test_a_table_with_its_index_still_reads_as_a_plain_dataset(table):
     assert ds.dataset(table, format="parquet").count_rows() == rows
     glob = str(table / "**" / "*.parquet")
     assert duckdb.connect().execute("SELECT count(*) FROM read_parquet($g)", {"g": glob}).fetchone()[0] == rows
+
+
+def test_a_first_build_killed_before_its_header_is_built_afresh(table):
+    """The quantizer is written before index.json: a kill between the two leaves a folder a rerun starts over."""
+    ann.build_index(table, shard_rows=10_000)
+    folder = ann.index_dir(table, "elmo")
+    (folder / ann.HEADER).unlink()
+    store = EmbeddingStore(table)
+    store.index("elmo")
+    assert store.last_path.startswith("query: exact scan") and "no index of elmo" in store.last_path
+    summary = ann.build_index(table, shard_rows=10_000)
+    assert summary.shards_built == 3 and summary.rows == 6 * PART_ROWS
