@@ -192,7 +192,8 @@ class TableFacts:
     """What a build needs to know of the table before reading a vector."""
 
     table: Path
-    parts: dict[str, int]
+    parts: dict[str, int]  # name → bytes
+    rows: dict[str, int]  # name → rows (each footer read once)
     header: Header
 
     @classmethod
@@ -209,8 +210,8 @@ class TableFacts:
         dim = kind.list_size
         if dim <= 0:
             raise InputError(f"{table}: column {column} is not a fixed-size list of floats ({kind})")
-        total = sum(pq.ParquetFile(table / name).metadata.num_rows for name in parts)
-        chosen = nlist or default_nlist(total)
+        rows = {name: pq.ParquetFile(table / name).metadata.num_rows for name in parts}
+        chosen = nlist or default_nlist(sum(rows.values()))
         header = Header(
             column=column,
             key=key,
@@ -221,7 +222,7 @@ class TableFacts:
             nprobe=nprobe or max(16, chosen // 32),
             library=f"faiss-cpu {faiss.__version__}",
         )
-        return cls(table, parts, header)
+        return cls(table, parts, rows, header)
 
 
 def default_nlist(rows: int) -> int:
@@ -290,11 +291,7 @@ def plan_build(
             kept.append(shard)
     plan = BuildPlan(folder, facts, kept, notes=notes)
     covered = {p.name for s in kept for p in s.parts}
-    new = [
-        PartFile(name, size, pq.ParquetFile(facts.table / name).metadata.num_rows)
-        for name, size in sorted(facts.parts.items())
-        if name not in covered
-    ]
+    new = [PartFile(name, size, facts.rows[name]) for name, size in sorted(facts.parts.items()) if name not in covered]
     number = max((s.number for s in kept), default=-1) + 1
     group: list[PartFile] = []
     for part in new:
