@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,13 +71,10 @@ def table_parts(table: Path) -> dict[str, int]:
     }
 
 
-def vector_columns(schema: pa.Schema) -> list[str]:
-    return [n for n in schema.names if n == "elmo" or n.startswith("layer_")]
-
-
-def pick_column(schema: pa.Schema, layer: str | None, where: Path) -> str:
-    """``elmo`` or ``layer_N``, checked against the table (column names cannot be SQL parameters)."""
-    columns = vector_columns(schema)
+def pick_column(names: Sequence[str], layer: str | None, where: Path) -> str:
+    """``elmo`` or ``layer_N`` (default: elmo, else the top layer) among a table's column names, checked against
+    them: they are spliced into SQL, where column names cannot be parameters."""
+    columns = [n for n in names if n == "elmo" or n.startswith("layer_")]
     if not columns:
         raise InputError(f"{where}: no vector column (elmo or layer_N) in this table")
     name = layer or ("elmo" if "elmo" in columns else columns[-1])
@@ -204,7 +201,7 @@ class TableFacts:
         schema = first_schema(table)
         parts = table_parts(table)
         first = table / min(parts)
-        column = pick_column(schema, layer, table)
+        column = pick_column(schema.names, layer, table)
         key = "token" if "token" in schema.names else "sentence_id"
         kind = schema.field(column).type
         dim = kind.list_size
@@ -496,7 +493,7 @@ def build_index(
     """
     started = time.perf_counter()
     table = Path(table)
-    column = pick_column(first_schema(table), layer, table)  # checked before the lock makes _index/<column>
+    column = pick_column(first_schema(table).names, layer, table)  # checked before the lock makes _index/<column>
     with build_lock(table, column, wait):
         plan = plan_build(table, column, shard_rows, rebuild, nlist=nlist, nprobe=nprobe)
         for note in plan.notes:

@@ -113,13 +113,7 @@ class EmbeddingStore:
 
     def vector_column(self, layer: str | None) -> str:
         """``elmo`` or ``layer_N``; checked against the table (column names cannot be SQL parameters)."""
-        name = layer or ("elmo" if "elmo" in self.columns else [c for c in self.columns if c.startswith("layer_")][-1])
-        if name not in self.columns or not (name == "elmo" or name.startswith("layer_")):
-            raise ConfigError(
-                f"no vector column {name!r}; this table has "
-                f"{[c for c in self.columns if c == 'elmo' or c.startswith('layer_')]}"
-            )
-        return name
+        return ann.pick_column(self.columns, layer, self.path)
 
     def index(self, column: str) -> ann.AnnIndex | None:
         """The column's index if a usable one is beside the table (opened once), and says which path a query takes."""

@@ -121,7 +121,7 @@ def index_table(config: IndexConfig) -> dict[str, Any]:
     Prefect artifact with the query to run."""
     started = time.perf_counter()
     table = config.table
-    column = ann.pick_column(ann.first_schema(Path(table)), config.layer, Path(table))
+    column = ann.pick_column(ann.first_schema(Path(table)).names, config.layer, Path(table))
     with ann.build_lock(Path(table), column, config.wait):
         plan = plan_index(config, column)
         futures = index_shard.map(plan["folder"], unmapped(table), plan["todo"])

@@ -180,6 +180,8 @@ def test_bad_input_gets_one_line_naming_the_path_and_the_cause(table, tmp_path):
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert f"{table}: no vector column 'layer_7'; this table has ['elmo']" in missing.stderr
     assert not (table / "_index" / "layer_7").exists()
+    with pytest.raises(ConfigError, match=f"{table}: no vector column 'layer_7'; this table has \\['elmo'\\]"):
+        EmbeddingStore(table).nearest_tokens("w0", layer="layer_7")  # the query's check is the index's
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match=f"{tmp_path / 'empty'}: no part-\\*.parquet files"):
         ann.build_index(tmp_path / "empty")
