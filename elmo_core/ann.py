@@ -511,7 +511,7 @@ def build_index(
 
 @dataclass
 class Row:
-    """A row found through the index: which shard, where in it, and the columns a query returns."""
+    """A row found through the index: the columns a query returns, with its exact cosine to the query."""
 
     key: str
     sentence_id: str
