@@ -37,8 +37,8 @@ from embed_throughput import describe_machine, make_sentences, real_sentences  #
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.allennlp import Elmo, ElmoEmbedder, batch_to_ids  # noqa: E402
+from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
-from elmo_core.model import init_bilm_tf  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)

@@ -32,8 +32,8 @@ BATCH, UNROLL = 128, 20  # bilm-tf's per-GPU batch and window
 
 FEED = """
 import json, sys, time
-from elmo_core.batches import LMBatcher
-from elmo_core.prefetch import Prefetcher, to_tensors
+from elmo_core.data.batches import LMBatcher
+from elmo_core.data.prefetch import Prefetcher, to_tensors
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
@@ -82,9 +82,9 @@ def step_times(root: Path, rounds: int, steps: int = 3) -> tuple[float, float]:
     """Median seconds of ``train.step`` (small shape, 128 x 20): with prefetch, and on batches held in memory."""
 
     from elmo_core.options import TrainConfig
-    from elmo_core.train import setup
-    from elmo_core.train import train_step as step
-    from elmo_core.vocab_file import write_vocab_file
+    from elmo_core.text.vocab_file import write_vocab_file
+    from elmo_core.train.loop import setup
+    from elmo_core.train.loop import train_step as step
 
     data = root / "data"
     n_types = 100_000

@@ -116,7 +116,7 @@ def write_token_id_corpus(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from elmo_core.vocab import TOKEN_IDS_SCHEMA
+    from elmo_core.data.vocab import TOKEN_IDS_SCHEMA
 
     out.mkdir(parents=True, exist_ok=True)
     written = 0
@@ -137,9 +137,9 @@ def write_token_id_corpus(
 def ingest_like_the_main_job(text: Path, root: Path, split_sentences: bool = True) -> Path:
     """Ingest and count a text file as the main job does (unicode tokens, 5% heldout by hash, min count 2) under
     ``root``; returns the vocab folder (vocab.txt, token_ids/)."""
+    from elmo_core.data.vocab import build_vocab
     from elmo_core.ingest import ingest
     from elmo_core.options import IngestConfig, VocabConfig
-    from elmo_core.vocab import build_vocab
 
     ingest(
         IngestConfig(
@@ -156,7 +156,7 @@ def ingest_like_the_main_job(text: Path, root: Path, split_sentences: bool = Tru
 
 def main_job_data(root: Path) -> Path:
     """The main job's corpus (Python's pydoc topics), ingested and counted as the main job does."""
-    from elmo_core.corpus import write_default_corpus
+    from elmo_core.text.corpus import write_default_corpus
 
     text, _ = write_default_corpus(root / "pydoc.txt")
     return ingest_like_the_main_job(text, root)

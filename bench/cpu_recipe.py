@@ -4,7 +4,7 @@
                                          [--budget 30] [--jobs 2] [--out data/bench/cpu_recipe] [--plot]
 
 Each (corpus, recipe) trains in its own process with one thread (``torch.set_num_threads(1)``, OMP/MKL at 1) through
-``elmo_core.train``'s own ``setup``/``step``; the clock is the process's CPU time, with heldout evaluations (full
+``elmo_core.train.loop``'s own ``setup``/``step``; the clock is the process's CPU time, with heldout evaluations (full
 softmax over the whole heldout split, at 1, 2.5, 5, 7.5, 10, 15, 20, 25 and 30 CPU-minutes) paused out of it. Each
 point is logged to the run's MLflow run (experiment ``elmo-cpu-recipe``, store ``OUT/mlflow.db``) as
 ``heldout_perplexity`` with ``cpu_minutes``, and to ``OUT/runs/CORPUS-RECIPE/points.json``. A checkpoint is written at
@@ -81,8 +81,8 @@ def prepare(out: Path, corpus: str) -> Path:
     """Ingest and count ``corpus`` as the main job does; returns its vocab folder (made once)."""
     from corpus_gen import ingest_like_the_main_job
 
-    from elmo_core.corpus import write_default_corpus
-    from elmo_core.wordnet import write_definitions
+    from elmo_core.text.corpus import write_default_corpus
+    from elmo_core.text.wordnet import write_definitions
 
     root = out / "data" / corpus
     if (root / "vocab" / "vocab.txt").exists():
@@ -120,8 +120,8 @@ def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     from elmo_core.options import TrainConfig
-    from elmo_core.train import evaluate_heldout, log_metrics, save, setup
-    from elmo_core.train import train_step as step
+    from elmo_core.train.loop import evaluate_heldout, log_metrics, save, setup
+    from elmo_core.train.loop import train_step as step
 
     folder = out / "runs" / f"{corpus}-{recipe}"
     progress_file = folder / "points.json"

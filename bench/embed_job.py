@@ -34,23 +34,23 @@ os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 whe
 from corpus_gen import peak_rss_mb_of, zipf_words  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
+from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
-from elmo_core.embed import EmbedConfig, embed  # noqa: E402
 from elmo_core.ingest import IngestConfig, ingest  # noqa: E402
-from elmo_core.model import init_bilm_tf  # noqa: E402
+from elmo_core.vectors.embed import EmbedConfig, embed  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
 
 RUN_JOB = """
 import sys
-from elmo_core.embed import EmbedConfig, embed
+from elmo_core.vectors.embed import EmbedConfig, embed
 print(embed(EmbedConfig.model_validate_json(sys.argv[1])).line())
 """
 
 ONE_PROCESS = """
 import json, sys, time
-from elmo_core.embed import EmbedConfig, embed
+from elmo_core.vectors.embed import EmbedConfig, embed
 start = time.perf_counter()
 s = embed(EmbedConfig.model_validate_json(sys.argv[1]))
 print(json.dumps({"tokens": s.tokens, "seconds": s.seconds, "wall": time.perf_counter() - start, "threads": []}))
@@ -58,7 +58,7 @@ print(json.dumps({"tokens": s.tokens, "seconds": s.seconds, "wall": time.perf_co
 
 ON_DASK = """
 import json, sys, time
-from elmo_core.embed import EmbedConfig
+from elmo_core.vectors.embed import EmbedConfig
 from flows.embed import run_on_dask
 
 if __name__ == "__main__":  # Dask's local workers re-run this script

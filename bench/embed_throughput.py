@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 where it is emulated too (the slowdown)
 
 from elmo_core import BiLM  # noqa: E402
+from elmo_core.bilm.inference import length_batches  # noqa: E402
+from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
-from elmo_core.inference import length_batches  # noqa: E402
-from elmo_core.model import init_bilm_tf  # noqa: E402
 from elmo_core.precision import onednn_verbose  # noqa: E402
 
 # isort: split
@@ -56,8 +56,8 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
     """Long-tailed lengths: n sentences of real English prose (Python's help topics), as the default corpus has them."""
     from pydoc_data.topics import topics
 
-    from elmo_core.corpus import _prose_paragraphs
-    from elmo_core.tokenize import split_sentences, unicode_tokens
+    from elmo_core.text.corpus import _prose_paragraphs
+    from elmo_core.text.tokenize import split_sentences, unicode_tokens
 
     sentences = [
         unicode_tokens(s)
@@ -72,8 +72,8 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
     """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively, whether oneDNN's packed
     products are on and whether the C gate kernel was built: which kernels ran."""
     from elmo_core import cpu
-    from elmo_core.kernels.fused_gates import describe as describe_fused_gates
-    from elmo_core.kernels.packed import packing_available
+    from elmo_core.bilm.kernels.fused_gates import describe as describe_fused_gates
+    from elmo_core.bilm.kernels.packed import packing_available
     from elmo_core.precision import cpu_has_native_bf16
 
     text = (

@@ -25,11 +25,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from elmo_core import BiLM, cpu  # noqa: E402
+from elmo_core.bilm.kernels import int8  # noqa: E402
+from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
-from elmo_core.corpus import _prose_paragraphs  # noqa: E402
-from elmo_core.kernels import int8  # noqa: E402
-from elmo_core.model import init_bilm_tf  # noqa: E402
-from elmo_core.tokenize import split_sentences, unicode_tokens  # noqa: E402
+from elmo_core.text.corpus import _prose_paragraphs  # noqa: E402
+from elmo_core.text.tokenize import split_sentences, unicode_tokens  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"int8: {int8.int8()[1]}; {torch.get_num_threads()} threads")
+    print(f"int8: {int8.describe()}; {torch.get_num_threads()} threads")
 
     fixture = BiLM.from_pretrained(str(HERE.parent / "tests" / "fixtures" / "allennlp_elmo"))
     text = real_text(args.quality_sentences)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from elmo_core import cpu  # noqa: E402
-from elmo_core.query import EmbeddingStore  # noqa: E402
+from elmo_core.vectors.query import EmbeddingStore  # noqa: E402
 
 PART_ROWS, ROW_GROUP, N_TYPES, N_TOPICS = 500_000, 8192, 50_000, 256
 
@@ -341,8 +341,8 @@ def real_table(work: Path, sentences: int) -> Path:
     """Python's documentation prose (the main job's corpus) embedded with the TF-trained fixture model."""
     from corpus_gen import ingest_like_the_main_job
 
-    from elmo_core.corpus import write_default_corpus
-    from elmo_core.embed import EmbedConfig, embed
+    from elmo_core.text.corpus import write_default_corpus
+    from elmo_core.vectors.embed import EmbedConfig, embed
 
     text, _ = write_default_corpus(work / "pydoc.txt")
     lines = text.read_text(encoding="utf-8").splitlines()[:sentences]

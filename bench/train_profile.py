@@ -33,14 +33,14 @@ sys.path.insert(0, str(HERE))
 from corpus_gen import main_job_data  # noqa: E402
 from train_throughput import bench_shape  # noqa: E402
 
-from elmo_core.chars import model_ids  # noqa: E402
+from elmo_core.bilm.packing import Packing  # noqa: E402
+from elmo_core.bilm.softmax import sampled_softmax_loss  # noqa: E402
+from elmo_core.data.prefetch import KEYS  # noqa: E402
 from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig  # noqa: E402
-from elmo_core.packing import Packing  # noqa: E402
 from elmo_core.precision import autocast  # noqa: E402
-from elmo_core.prefetch import KEYS  # noqa: E402
-from elmo_core.softmax import sampled_softmax_loss  # noqa: E402
-from elmo_core.train import _clip_global_norm, setup  # noqa: E402
-from elmo_core.train import train_step as step  # noqa: E402
+from elmo_core.text.chars import model_ids  # noqa: E402
+from elmo_core.train.loop import _clip_global_norm, setup  # noqa: E402
+from elmo_core.train.loop import train_step as step  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)

@@ -20,7 +20,7 @@ alternating rounds. ``--training-kernel`` (instead of the precision table): whol
 against the training kernels, one autograd node per LSTM step (``elmo_core/kernels/trained_step.py``) and then the
 char CNN's sparse backward too (``elmo_core/kernels/char_cnn.py``), same model and batches, alternating.
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
-``elmo_core.train.train`` for ``--quality-steps`` steps in each precision, same seed and data.
+``elmo_core.train.loop.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ from cpu_recipe import TODAY  # noqa: E402  (the main job's recipe before bench/
 from embed_throughput import describe_machine, matmul_roofline  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
-from elmo_core.batches import LMBatcher  # noqa: E402
+from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
+from elmo_core.bilm.softmax import LogUniformSampler  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
-from elmo_core.model import init_bilm_tf  # noqa: E402
+from elmo_core.data.batches import LMBatcher  # noqa: E402
 from elmo_core.precision import autocast  # noqa: E402
-from elmo_core.softmax import LogUniformSampler  # noqa: E402
-from elmo_core.train import LMObjective, _clip_global_norm  # noqa: E402
+from elmo_core.train.loop import _clip_global_norm  # noqa: E402
+from elmo_core.train.objective import LMObjective  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
@@ -212,7 +213,7 @@ def training_kernel(args: argparse.Namespace, device: torch.device) -> None:
 def quality(args: argparse.Namespace) -> None:
     """Heldout perplexity after the same steps, fp32 against bf16, same data and seed (the main job's recipe)."""
     from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-    from elmo_core.train import train
+    from elmo_core.train.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:
         data = main_job_data(Path(tmp))
@@ -240,8 +241,8 @@ def main_job(args: argparse.Namespace) -> None:
     """The main job's training as a user runs it (its defaults, torch's threads) against its defaults before, on
     its own data (pydoc topics): tokens/s of ``train.train_step`` in alternating rounds, in one run."""
     from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-    from elmo_core.train import setup
-    from elmo_core.train import train_step as step
+    from elmo_core.train.loop import setup
+    from elmo_core.train.loop import train_step as step
 
     with tempfile.TemporaryDirectory() as tmp:
         data = main_job_data(Path(tmp))
@@ -276,8 +277,8 @@ def main_job(args: argparse.Namespace) -> None:
 _MAIN_JOB_WORKER = """
 import sys, time
 from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-import elmo_core.train as train
-from elmo_core.train import setup
+import elmo_core.train.loop as train
+from elmo_core.train.loop import setup
 step = getattr(train, "train_step", None) or train.step  # named step before it was train_step
 options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
 options.update(tracking="none", device="cpu", max_steps=10**9)

@@ -160,8 +160,8 @@ def cmd_demo(config: DemoConfig) -> None:
     import torch
 
     from elmo_core import BiLM
+    from elmo_core.bilm.model import init_bilm_tf
     from elmo_core.config import tiny
-    from elmo_core.model import init_bilm_tf
 
     model_dir = Path(config.model) if config.model else _fixture_model()
     if model_dir is not None:
@@ -214,27 +214,26 @@ def cmd_info(config: InfoConfig) -> None:
     import torch
 
     from elmo_core import cpu
+    from elmo_core.bilm.kernels import choice, fused_gates, int8, packed
     from elmo_core.config import preset
-    from elmo_core.kernels import choice, fused_gates, int8, packed
-    from elmo_core.precision import choose_precision
+    from elmo_core.precision import resolve_precision
 
     print(cpu.describe())
-    auto, why = choose_precision("auto", "cpu")
+    auto = resolve_precision("auto", "cpu")
     offered = choice.offered_precisions("cpu")
     refused = "" if "bf16" in offered else " (bf16 refused here: no bfloat16 instructions, so it would be emulated)"
-    print(f"precisions on the CPU: {', '.join(offered)}; auto is {auto} ({why}){refused}")
+    print(f"precisions on the CPU: {', '.join(offered)}; auto is {auto} ({auto.why}){refused}")
     for dtype in (torch.float32, torch.bfloat16):
         works, why_not = packed.packing(dtype)
         print(f"oneDNN packed products in {str(dtype).removeprefix('torch.')}: {'yes' if works else f'no ({why_not})'}")
-    works, why_not = int8.int8()
-    print(f"int8 products (precision int8): {why_not if works else f'no ({why_not})'}")
+    print(f"int8 products (precision int8): {int8.describe()}")
     print(f"C kernels (LSTM gates, char CNN backward): {fused_gates.describe()}")
     if config.model is None:
         print(f"kernels of the original shape: {choice.choose(torch.device('cpu'), auto, preset('original').lstm)}")
         return
 
     from elmo_core import BiLM
-    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.train.tracking import resolve_model_dir
 
     bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)))
     cfg = bilm.config
@@ -268,7 +267,7 @@ def cmd_ingest(config: IngestConfig) -> None:
 
 
 def cmd_vocab(config: VocabConfig) -> None:
-    from elmo_core.vocab import build_vocab
+    from elmo_core.data.vocab import build_vocab
 
     stats = build_vocab(config)
     vocab_txt = Path(config.db).with_name("vocab.txt")
@@ -281,8 +280,8 @@ def cmd_vocab(config: VocabConfig) -> None:
 
 
 def cmd_train(config: TrainConfig) -> None:
-    from elmo_core.launch import launch, write_result
-    from elmo_core.train import describe_perplexity
+    from elmo_core.train.evaluate import describe_perplexity
+    from elmo_core.train.launch import launch, write_result
 
     result = launch(config)  # --nproc-per-node N: torch.distributed.run with N ranks, this command in each
     if os.environ.get("ELMO_RESULT_FILE"):  # a rank of a launch: rank 0 tells the launcher, which reports
@@ -297,31 +296,9 @@ def cmd_train(config: TrainConfig) -> None:
 
 
 def cmd_perplexity(config: PerplexityConfig) -> None:
-    import tempfile
+    from elmo_core.train.evaluate import perplexity
 
-    from elmo_core import BiLM
-    from elmo_core.ingest import shard_paths
-    from elmo_core.tracking import resolve_model_dir
-    from elmo_core.train import evaluate
-    from elmo_core.vocab import write_token_ids
-
-    bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)), device=config.device)
-    if bilm.softmax is None or bilm.vocab is None:
-        raise ConfigError(
-            f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt"
-        )
-    shards = [str(p) for p in shard_paths(config.corpus)]
-    if not shards:
-        raise ConfigError(f"{config.corpus}: no part-*.parquet shards; run `elmo ingest` first")
-    with tempfile.TemporaryDirectory() as tmp:
-        write_token_ids(shards, bilm.vocab, Path(tmp))
-        result = evaluate(
-            bilm,
-            Path(tmp) / config.split,
-            batch_size=config.batch_size,
-            unroll_steps=20,
-            max_batches=config.max_batches,
-        )
+    result = perplexity(config)
     print(
         f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
         f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens "
@@ -330,40 +307,30 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
 
 
 def cmd_export(config: ExportConfig) -> None:
-    from elmo_core.train import export_checkpoint
+    from elmo_core.train.export import export_checkpoint
 
     step, checkpoint = export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]
     print(f"export: step {step} of {checkpoint} -> {config.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
 
 
 def cmd_embed(config: EmbedConfig) -> None:
-    from elmo_core.embed import embed
+    from elmo_core.vectors.embed import embed
 
-    print(embed(config, show_kernels=log.isEnabledFor(logging.DEBUG)).line())
-    if config.index:
-        from elmo_core.ann import build_index
-
-        print(build_index(config.out, wait=config.wait).line())
+    summary = embed(config, show_kernels=log.isEnabledFor(logging.DEBUG))
+    print(summary.line())
+    if summary.index is not None:
+        print(summary.index.line())
 
 
 def cmd_index(config: IndexConfig) -> None:
-    from elmo_core.ann import build_index
+    from elmo_core.stage import run_local
+    from elmo_core.vectors.ann import IndexStage
 
-    summary = build_index(
-        config.table,
-        config.layer,
-        shard_rows=config.shard_rows,
-        workers=config.workers,
-        rebuild=config.rebuild,
-        wait=config.wait,
-        nlist=config.nlist,
-        nprobe=config.nprobe,
-    )
-    print(summary.line())
+    print(run_local(IndexStage(), config, workers=config.workers).line())
 
 
 def cmd_query(config: QueryConfig) -> None:
-    from elmo_core.query import EmbeddingStore
+    from elmo_core.vectors.query import EmbeddingStore
 
     store = EmbeddingStore(config.embeddings, exact=config.exact, nprobe=config.nprobe)
     if config.similar_to:
@@ -386,7 +353,7 @@ def cmd_query(config: QueryConfig) -> None:
 
 
 def cmd_probe(kind: str, config: Options) -> None:
-    from elmo_core import probe
+    from elmo_core.vectors import probe
 
     results = getattr(probe, f"run_{kind}")(config)
     print(probe.results_table(results))

@@ -14,9 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from elmo_core.chars import MAX_CHARS, N_CHARS
 from elmo_core.errors import ConfigError
 from elmo_core.fileio import write_text_atomic
+from elmo_core.text.chars import MAX_CHARS, N_CHARS
 
 # The char-CNN of every published ELMo (2048 filters in total).
 PUBLISHED_FILTERS: list[list[int]] = [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]

@@ -15,9 +15,11 @@ fallback paths with it on any machine. It imports without torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -201,6 +203,27 @@ def worker_env(processes: int, threads: int | None = None) -> dict[str, str]:
     ``threads`` overrides the share (a bench shows what every worker taking every core costs)."""
     n = str(threads if threads else threads_for(processes))
     return {THREADS: n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+
+
+def thread_share() -> int | None:
+    """The share of the cores a worker process the project started was given (``worker_env``), if it was one."""
+    value = os.environ.get(THREADS)
+    return max(1, int(value)) if value else None
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs (the processes it starts inherit them)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def apply_thread_share() -> str | None:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from elmo_core.config import ModelConfig, PresetName, preset
 from elmo_core.errors import ConfigError
-from elmo_core.tokenize import TokenizerName
+from elmo_core.text.tokenize import TokenizerName
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,34 @@ class Options(BaseModel):
     """Base of every options model: unknown keys are errors, values never change after validation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def identity(self, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The values that decide what a job makes (JSON-able): every field but the ``RUNTIME`` and ``ALIAS`` ones."""
+        skip = tagged(type(self), RUNTIME) | tagged(type(self), ALIAS) | exclude
+        return self.model_dump(mode="json", exclude=set(skip))
+
+    def passed_on(self) -> dict[str, Any]:
+        """The values to lay over another stage's config: every field but the deprecated aliases."""
+        return self.model_dump(exclude=set(tagged(type(self), ALIAS)))
+
+
+# What a field is beyond its value: tags on the fields (``Field(..., **tags(RUNTIME))``), the sets derived from them.
+RUNTIME = "runtime"  # how or where a job runs, or how it meets another job: never a part of what it makes
+DATASET = "dataset"  # how text becomes sentences, tokens and splits: every shard of one dataset shares these
+ALIAS = "alias"  # a deprecated spelling of another option: read, never passed on
+
+
+def tags(*names: str) -> dict[str, Any]:
+    return {"json_schema_extra": {"tags": list(names)}}
+
+
+def tagged(model: type[BaseModel], tag: str) -> frozenset[str]:
+    """The fields of ``model`` that carry ``tag``."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and tag in field.json_schema_extra.get("tags", [])  # type: ignore[operator]
+    )
 
 
 def validate(cls: type[Options], data: dict[str, Any], source: str = "options"):  # noqa: ANN201
@@ -84,14 +112,21 @@ class IngestOptions(Options):
     tokenizer: TokenizerName = Field(
         "whitespace",
         description="whitespace (pre-tokenized text), unicode (words, numbers, punctuation) or chinese (jieba)",
+        **tags(DATASET),
     )
     split_sentences: bool = Field(
-        False, description="inputs hold paragraphs (blank-line separated): split them into sentences"
+        False,
+        description="inputs hold paragraphs (blank-line separated): split them into sentences",
+        **tags(DATASET),
     )
-    text_field: str = Field("text", description="JSONL: the field holding the text")
-    text_column: str = Field("text", description="Parquet: the column holding the text")
+    text_field: str = Field("text", description="JSONL: the field holding the text", **tags(DATASET))
+    text_column: str = Field("text", description="Parquet: the column holding the text", **tags(DATASET))
     heldout_fraction: float = Field(
-        0.01, ge=0.0, le=1.0, description="share of sentences drawn (by a hash of their text) for the heldout split"
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="share of sentences drawn (by a hash of their text) for the heldout split",
+        **tags(DATASET),
     )
     split: SourceSplit = Field(
         "auto",
@@ -110,23 +145,15 @@ class IngestOptions(Options):
     drop_overlap: bool = Field(
         False, description="drop from train the sentences that a heldout or test source of the same run also holds"
     )
-    max_tokens: int = Field(250, gt=0, description="longer sentences are split into pieces of this many tokens")
-    dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)")
+    max_tokens: int = Field(
+        250, gt=0, description="longer sentences are split into pieces of this many tokens", **tags(DATASET)
+    )
+    dedup: bool = Field(True, description="drop exact duplicate sentences (across all files and runs)", **tags(DATASET))
     memory_limit: str = Field("2GB", description="DuckDB memory limit")
     row_group_size: int = Field(50_000, gt=0, description="rows per Parquet row group (the streaming unit of readers)")
-    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
-
-
-# the options every shard of one dataset must share (how text becomes sentences, tokens and splits)
-DATASET_OPTIONS = (
-    "tokenizer",
-    "split_sentences",
-    "text_field",
-    "text_column",
-    "heldout_fraction",
-    "max_tokens",
-    "dedup",
-)
+    wait: bool = Field(
+        False, description="if another job holds the output folder, wait for it instead of failing", **tags(RUNTIME)
+    )
 
 
 class IngestConfig(IngestOptions):
@@ -197,7 +224,9 @@ class TrainOptions(Options):
         description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 where the hardware "
         "computes it natively (CUDA, CPUs with avx512_bf16 or AMX), else fp32",
     )
-    bf16: bool | None = Field(None, description="deprecated: use --precision (true = bf16, false = fp32)")
+    bf16: bool | None = Field(
+        None, description="deprecated: use --precision (true = bf16, false = fp32)", **tags(ALIAS)
+    )
     compile: bool = Field(False, description="torch.compile the token encoder")
     prefetch: int = Field(
         4, ge=0, description="batches made ahead by a background thread per process (0: each made in its step)"
@@ -224,7 +253,9 @@ class TrainOptions(Options):
     rdzv_endpoint: str | None = Field(
         None, description="host:port of node 0, where the machines meet (rank 0 runs on node 0)"
     )
-    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
+    wait: bool = Field(
+        False, description="if another job holds the output folder, wait for it instead of failing", **tags(RUNTIME)
+    )
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")
     register_as: str | None = Field("elmo", description="MLflow registered-model name; null: log the model only")
@@ -277,25 +308,33 @@ class EmbedOptions(Options):
     pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
     split: Literal["all", "train", "heldout", "test"] = Field("all", description="which split of an ingested dataset")
     tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
-    max_batch_tokens: int = Field(8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)")
+    max_batch_tokens: int = Field(
+        8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)", **tags(RUNTIME)
+    )
     unit_tokens: int = Field(
         40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)"
     )
     stateful: bool = Field(
         False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)"
     )
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
     precision: InferencePrecision = Field(
         "fp32",
         description="fp32 (bilm-tf exact), bf16 (matmuls in bfloat16, cell state in fp32) or int8 (CPU: the LSTM "
         "step's products on int8 weights)",
     )
-    bf16: bool | None = Field(None, description="deprecated: use --precision bf16")
+    bf16: bool | None = Field(None, description="deprecated: use --precision bf16", **tags(ALIAS))
     overwrite: bool = Field(
-        False, description="replace a table of another job in --out (the new one is swapped in when complete)"
+        False,
+        description="replace a table of another job in --out (the new one is swapped in when complete)",
+        **tags(RUNTIME),
     )
-    wait: bool = Field(False, description="if another job holds the output folder, wait for it instead of failing")
-    index: bool = Field(False, description="then build the table's nearest-neighbour index (as `elmo index OUT`)")
+    wait: bool = Field(
+        False, description="if another job holds the output folder, wait for it instead of failing", **tags(RUNTIME)
+    )
+    index: bool = Field(
+        False, description="then build the table's nearest-neighbour index (as `elmo index OUT`)", **tags(RUNTIME)
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -358,12 +397,16 @@ class IndexConfig(Options):
 
     table: str = Field(description="an embedding table folder (`elmo embed` output, or Parquet with its columns)")
     layer: str | None = Field(None, description="the column to index: elmo or layer_N (default: elmo, else the top)")
-    shard_rows: int = Field(2_000_000, gt=0, description="rows per shard (whole part files; shards build in parallel)")
+    shard_rows: int = Field(  # a shard's codes, metadata and sort fit in about 1.5 GiB at width 1024
+        2_000_000, gt=0, description="rows per shard (whole part files; shards build in parallel)"
+    )
     workers: int = Field(1, gt=0, description="processes building shards at once (each with its share of the cores)")
     nlist: int | None = Field(None, gt=0, description="inverted lists (default: about sqrt(rows), a power of two)")
     nprobe: int | None = Field(None, gt=0, description="lists a query visits by default (nlist/32, at least 16)")
     rebuild: bool = Field(False, description="build it anew instead of adding the parts it does not cover")
-    wait: bool = Field(False, description="if another build holds the index, wait for it instead of failing")
+    wait: bool = Field(
+        False, description="if another build holds the index, wait for it instead of failing", **tags(RUNTIME)
+    )
 
 
 class InfoConfig(Options):

@@ -46,11 +46,6 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def cpu_capability() -> str:
-    """What torch's CPU kernels were dispatched for (e.g. AVX512, AVX2, DEFAULT)."""
-    return cpu.torch_capability()
-
-
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bfloat16 dot-product instructions (avx512_bf16, AMX, AVX-NE-CONVERT, Arm's bf16) and
     oneDNN uses them (``ONEDNN_MAX_CPU_ISA`` can hold it below them). False under ``ELMO_CPU_ISA=avx2``."""
@@ -87,8 +82,9 @@ def emulated_bf16_slowdown() -> float:
 def _emulated_bf16_line() -> str:
     return (
         f"precision bf16: this CPU has no bfloat16 instructions ({cpu.facts().line()}; torch CPU kernels "
-        f"{cpu_capability()}), so bf16 is emulated: a bf16 product measured {emulated_bf16_slowdown():.1f}x the time "
-        f"of the same fp32 one here; use precision fp32 (what auto chooses here), or "
+        f"{cpu.torch_capability()}), so bf16 is emulated: a bf16 product measured "
+        f"{emulated_bf16_slowdown():.1f}x the time of the same fp32 one here; use precision fp32 (what auto "
+        f"chooses here), or "
         f"set {ALLOW_EMULATED_BF16}=1 to run bf16 anyway"
     )
 
@@ -105,49 +101,85 @@ def native_bf16(device: torch.device | str) -> tuple[bool, str]:
         return False, "this GPU has no native bfloat16"
     if device.type == "cpu":
         if cpu_has_native_bf16():
-            return True, f"the CPU has bfloat16 instructions (avx512_bf16 or AMX; torch capability {cpu_capability()})"
-        return False, f"the CPU has no bfloat16 instructions (torch capability {cpu_capability()})"
+            return (
+                True,
+                f"the CPU has bfloat16 instructions (avx512_bf16 or AMX; torch capability {cpu.torch_capability()})",
+            )
+        return False, f"the CPU has no bfloat16 instructions (torch capability {cpu.torch_capability()})"
     return False, f"{device.type} is not known to compute bfloat16 natively"
 
 
-def choose_precision(precision: str, device: torch.device | str) -> tuple[str, str]:
-    """The precision a run computes in, and why: ``auto`` is bf16 wherever the hardware computes it natively (CUDA
-    with bf16, CPUs with avx512_bf16 or AMX) and fp32 elsewhere; fp32 and bf16 are taken as asked."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision != "auto":
-        return resolve_precision(precision, device), f"asked for {precision}"
-    native, why = native_bf16(device)
-    return ("bf16" if native else "fp32"), f"auto: {why}"
+class Precision(str):
+    """A precision resolved for one device: its name ("fp32", "bf16", "int8"; it compares as that name), the device
+    type it was resolved for, and why (for the run's log and MLflow). ``resolve_precision`` returns one as it is, so
+    a stage resolves its precision once, in its plan, and everything below it keeps that decision."""
+
+    why: str
+    device: str
+
+    def __new__(cls, name: str, device: str, why: str) -> Precision:
+        value = super().__new__(cls, name)
+        value.device, value.why = device, why
+        return value
+
+    def __reduce__(self) -> tuple:  # pickled whole (a Dask worker gets the decision, not a bare name)
+        return (Precision, (str(self), self.device, self.why))
 
 
-def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """``auto`` → bf16 where ``device`` computes it natively, else fp32 (``choose_precision``). bf16 asked for on a
-    CPU that would emulate it is refused (``PrecisionError``, one line with the measured slowdown), or run with that
-    line as a warning, once, under ``ELMO_ALLOW_EMULATED_BF16=1``."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+def resolve_precision(precision: str, device: torch.device | str) -> Precision:
+    """The one place a precision is decided. ``auto`` is bf16 wherever the hardware computes it natively (CUDA with
+    bf16, CPUs with avx512_bf16 or AMX) and fp32 elsewhere, never int8 (not exact: it is asked for). Refused in one
+    line (``PrecisionError``): int8 off the CPU or where this torch has no dynamic int8 products; bf16 on a CPU that
+    would emulate it (with the measured slowdown), which ``ELMO_ALLOW_EMULATED_BF16=1`` runs with that line as a
+    warning, once. A ``Precision`` already resolved for this device type is returned unchanged."""
     device_type = torch.device(device).type
+    if isinstance(precision, Precision) and precision.device == device_type:
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "auto":
-        return choose_precision(precision, device)[0]
+        native, why = native_bf16(device)
+        return Precision("bf16" if native else "fp32", device_type, f"auto: {why}")
     if precision == "int8":
-        _check_int8(device_type)
+        if device_type != "cpu":
+            raise PrecisionError(
+                f"precision int8: CPU inference only (dynamic int8 products); on {device_type} use fp32 or bf16"
+            )
+        works, why = int8_products()
+        if not works:
+            raise PrecisionError(f"precision int8: {why}; use precision fp32")
+        return Precision("int8", device_type, f"asked for int8 ({why})")
     if precision == "bf16" and device_type == "cpu" and not cpu_has_native_bf16():
         if os.environ.get(ALLOW_EMULATED_BF16) != "1":
             raise PrecisionError(_emulated_bf16_line())
         if "cpu" not in _warned:
             _warned.add("cpu")
             log.warning("%s (running it: %s=1)", _emulated_bf16_line(), ALLOW_EMULATED_BF16)
-    return precision
+    return Precision(str(precision), device_type, f"asked for {precision}")
 
 
-def _check_int8(device_type: str) -> None:
-    """int8 runs CPU inference's per-step products on int8 weights; elsewhere it is refused in one line (where this
-    torch has no dynamic int8 products, ``kernels.choose`` refuses it, having probed them)."""
-    if device_type != "cpu":
-        raise PrecisionError(
-            f"precision int8: CPU inference only (dynamic int8 products); on {device_type} use fp32 or bf16"
-        )
+@lru_cache(maxsize=1)
+def int8_products() -> tuple[bool, str]:
+    """Whether this torch runs dynamic int8 products on this CPU (what ``precision: int8`` runs, ``kernels/int8.py``),
+    and why not: one tiny product, checked once against float32 (a wrong result, a missing op or an engine that
+    refuses the CPU each say so). PyTorch 2.13 marks these ops deprecated; the warning is silenced here."""
+    import warnings
+
+    try:
+        w = torch.linspace(-1, 1, 64).view(8, 8)
+        x = torch.linspace(1, -1, 24).view(3, 8)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantiz.*deprecated")
+            scale = (w.abs().amax(1) / 127).double()
+            q = torch.quantize_per_channel(w, scale, torch.zeros(8, dtype=torch.long), 0, torch.qint8)
+            got = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(q, None), True)
+    except (AttributeError, RuntimeError) as exc:  # the ops removed, or no quantized engine for this CPU
+        log.debug("dynamic int8 products unavailable: %s", exc)
+        return False, f"no dynamic int8 products in this torch here: {str(exc).splitlines()[0][:120]}"
+    error = float((got - x @ w.T).abs().max())
+    if error > 0.05:
+        return False, f"the int8 product gave wrong numbers here (error {error:.3g})"
+    return True, f"dynamic int8 products ({torch.backends.quantized.engine} engine)"
 
 
 def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:

@@ -1,8 +1,6 @@
 """Shared bits of the flows: environment defaults (set before Prefect is imported), progress in the Prefect UI,
 one-line failures, and input fingerprints."""
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import json
@@ -23,11 +21,13 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # e
 # a busy 2-core machine can need more than the default 20 s to start the ephemeral API server
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
-from prefect import get_run_logger  # noqa: E402  (after the environment defaults)
+from prefect import get_run_logger, task, unmapped  # noqa: E402  (after the environment defaults)
 from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
+from prefect.futures import as_completed  # noqa: E402
 
 from elmo_core.errors import ElmoError  # noqa: E402
 from elmo_core.progress import Progress, add_sink, format_amount, track  # noqa: E402
+from elmo_core.stage import Stage  # noqa: E402
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 logging.getLogger("elmo_core").setLevel(logging.INFO)  # its INFO lines (not only warnings) reach the run logs
@@ -123,6 +123,50 @@ def progress_over(name: str, total: float, unit: str) -> Iterator[Any]:
     """``track`` with the Prefect sink, for progress a flow measures itself (units finished by workers)."""
     with reporting(), track(name, total, unit) as progress:
         yield progress
+
+
+# ----- the stage protocol (elmo_core.stage), run by Prefect ------------------------------------------------
+
+
+@task(**RETRIED)
+@stage
+def plan_stage(runner: Stage, options: Any) -> Any:
+    """A stage's plan (options resolved once, the folder's state read), with its progress in the Prefect UI."""
+    return runner.plan(options)
+
+
+@task(**RETRIED)
+def run_unit(runner: Stage, plan: Any, unit: Any) -> Any:
+    """One unit of a stage, on whichever worker the flow's task runner picks (a Dask worker under ``run_on_dask``)."""
+    return runner.run_unit(plan, unit)
+
+
+@task(**RETRIED)
+@stage
+def finish_stage(runner: Stage, plan: Any, results: list[Any], seconds: float) -> Any:
+    return runner.finish(plan, results, seconds)
+
+
+def run_stage(runner: Stage, options: Any) -> Any:
+    """A stage as Prefect tasks: its plan, one task per unit (named and tagged ``elmo-<stage>-unit``, so a work pool
+    can limit them), then its finish; the claim on the output is held by the flow's process the whole time, and the
+    units' progress shows in the Prefect UI. The summary it returns is the stage's own, as ``run_local``'s is."""
+    started = time.perf_counter()
+    with runner.claim(options):
+        plan = plan_stage.with_options(name=f"plan-{runner.name}")(runner, options)
+        units = list(plan.units)
+        unit_task = run_unit.with_options(name=f"{runner.name}-unit", tags=[f"elmo-{runner.name}-unit"])
+        futures = unit_task.map(unmapped(runner), unmapped(plan), units)
+        get_run_logger().info("%s: %d units", runner.name, len(units))
+        by_future = dict(zip(futures, units))
+        with progress_over(runner.name, sum(u.size for u in units), runner.counts) as progress:
+            for future in as_completed(futures):
+                future.result()
+                progress.advance(by_future[future].size, by_future[future].name)
+        results = [f.result() for f in futures]
+        return finish_stage.with_options(name=f"finish-{runner.name}")(
+            runner, plan, results, time.perf_counter() - started
+        )
 
 
 def fingerprint_files(paths: Iterable[Path], extra: Any = None) -> str:

@@ -9,8 +9,6 @@ defaults. A stage writes ``_stage.json`` (its input fingerprint, whether it fini
 a rerun with the same inputs skips the finished work, and nothing else decides what is skipped.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import shutil
@@ -23,11 +21,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
-from elmo_core.corpus import write_default_corpus
+from elmo_core.bilm.weights import OPTIONS_NAME, WEIGHTS_NAME
+from elmo_core.data.vocab import build_vocab
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.ingest import dataset_options, find_sources, ingest, option_changes
-from elmo_core.launch import launch
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
     EmbedConfig,
@@ -40,10 +38,11 @@ from elmo_core.options import (
     VocabConfig,
     VocabOptions,
 )
-from elmo_core.tracking import MLflowTracker
-from elmo_core.train import describe_perplexity, evaluate_splits, export_checkpoint
-from elmo_core.vocab import build_vocab
-from elmo_core.weights import OPTIONS_NAME, WEIGHTS_NAME
+from elmo_core.text.corpus import write_default_corpus
+from elmo_core.train.evaluate import describe_perplexity, evaluate_export
+from elmo_core.train.export import export_checkpoint
+from elmo_core.train.launch import launch
+from elmo_core.train.tracking import MLflowTracker
 from flows.common import PROJECT_ROOT, RETRIED, fingerprint_files, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
 from flows.summary import print_summary
@@ -238,16 +237,13 @@ def evaluate_stage(
     into one artifact table."""
 
     def work() -> dict[str, Any]:
-        from elmo_core import BiLM
-
-        scores = evaluate_splits(BiLM.from_pretrained(model_dir), data)
-        if run_id and config.tracking == "mlflow" and scores:
-            tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
-            try:
-                tracker.log_metrics({f"{split}/{k}": v for split, r in scores.items() for k, v in r.items()}, step=0)
-            finally:
-                tracker.close()
-        return scores
+        if not (run_id and config.tracking == "mlflow"):
+            return evaluate_export(model_dir, data)
+        tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
+        try:
+            return evaluate_export(model_dir, data, tracker)
+        finally:
+            tracker.close()
 
     results = _run_stage(Path(out), fingerprint, work)
     table = [
@@ -288,7 +284,7 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
         str(ingest_dir),
         fingerprint_files(
             [i.path for i in find_sources(sources, ingest_config.split, ingest_config.layout)],
-            ingest_config.model_dump(mode="json", exclude={"wait"}),  # how long to wait is not an input
+            ingest_config.identity(),
         ),
     )
     stats = vocab_stage(
@@ -340,7 +336,7 @@ def _embed_probes(params: PipelineParams, model_dir: str, workdir: Path) -> dict
             model=model_dir,
             input=str(_absolute(params.probes)),
             out=str(workdir / "probe_vectors"),
-            **{**params.embed.model_dump(exclude={"bf16"}), "overwrite": True},
+            **{**params.embed.passed_on(), "overwrite": True},
         )
     )
 
@@ -367,7 +363,7 @@ def _stage_configs(
         out=str(workdir / "train"),
         init_from=params.init_from,
         tracking_uri=tracking_uri,
-        **params.train.model_dump(exclude={"bf16"}),
+        **params.train.passed_on(),
     )
     return ingest, vocab, train
 

@@ -8,8 +8,6 @@
 The run's markdown artifact is the per-layer table; the MLflow run holds the metrics and the chart.
 """
 
-from __future__ import annotations
-
 from typing import Any, Literal
 
 from prefect import flow, task
@@ -18,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.errors import ConfigError
 from elmo_core.options import TagConfig, WsdConfig
-from elmo_core.probe import results_table, run_tag, run_wsd
+from elmo_core.vectors.probe import results_table, run_tag, run_wsd
 from flows.common import RETRIED, run_main, stage
 
 

@@ -1,7 +1,5 @@
 """The main job's closing summary: where each output is, and the commands to look at it."""
 
-from __future__ import annotations
-
 import shutil
 import sys
 from pathlib import Path

@@ -33,7 +33,7 @@ def fixture_sentences(allennlp_dir: Path) -> list[list[str]]:
 def c_kernels_off(monkeypatch: pytest.MonkeyPatch):
     """The C kernels off, as ``ELMO_NO_FUSED_GATES=1`` turns them off in a new process (every cached load cleared,
     then cleared again after the test so that the next one builds or loads them afresh)."""
-    from elmo_core.kernels import char_cnn, fused_gates, trained_step
+    from elmo_core.bilm.kernels import char_cnn, fused_gates, trained_step
 
     loads = (fused_gates._library, trained_step._functions, char_cnn._function)
     monkeypatch.setenv("ELMO_NO_FUSED_GATES", "1")

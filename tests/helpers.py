@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from elmo_core import cpu
-from elmo_core.kernels import choice
+from elmo_core.bilm.kernels import choice
 from elmo_core.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -476,7 +476,7 @@ def test_install_changes_nothing_where_allennlp_is_importable_and_says_so_once(t
 
 
 def test_without_gradients_the_fast_kernels_run_and_with_them_the_reference(files, monkeypatch):
-    from elmo_core.kernels import fused_gates
+    from elmo_core.bilm.kernels import fused_gates
 
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())

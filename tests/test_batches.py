@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_core.batches import LMBatcher, SentenceStream
-from elmo_core.chars import raw_char_ids
-from elmo_core.vocab import TOKEN_IDS_SCHEMA
+from elmo_core.data.batches import LMBatcher, SentenceStream
+from elmo_core.data.vocab import TOKEN_IDS_SCHEMA
+from elmo_core.text.chars import raw_char_ids
 
 
 def _write_token_ids(path: Path, sentences: list[list[int]], row_group_size: int = 1000) -> None:
@@ -102,7 +102,7 @@ def test_prefetched_batches_not_yet_taken_are_not_lost_from_the_position(tmp_pat
     run resumed from it gets exactly the batches the uninterrupted run gets next."""
     import torch
 
-    from elmo_core.prefetch import KEYS, Prefetcher
+    from elmo_core.data.prefetch import KEYS, Prefetcher
 
     _corpus(tmp_path)
     plain = LMBatcher(tmp_path, batch_size=4, unroll_steps=5, seed=3)
@@ -127,7 +127,7 @@ def test_prefetched_batches_not_yet_taken_are_not_lost_from_the_position(tmp_pat
 def test_prefetch_ends_a_finite_pass_and_hands_errors_to_the_trainer(tmp_path):
     import torch
 
-    from elmo_core.prefetch import Prefetcher
+    from elmo_core.data.prefetch import Prefetcher
 
     _corpus(tmp_path, 20)
     finite = Prefetcher(LMBatcher(tmp_path, 2, 3, shuffle=False, loop=False), torch.device("cpu"), depth=2)

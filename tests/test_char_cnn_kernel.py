@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
-from elmo_core.chars import tokens_to_char_array
+from elmo_core.bilm.kernels import char_cnn, choose_training
+from elmo_core.bilm.model import CharCNN
 from elmo_core.config import CharCNNConfig, CharEmbeddingConfig, tiny
-from elmo_core.kernels import char_cnn, choose_training
-from elmo_core.model import CharCNN
+from elmo_core.text.chars import tokens_to_char_array
 
 # a one-letter word (windows in padding win), repeated letters (equal values inside the word), the longest word
 # there is (50 chars: nothing to cut), and ordinary ones
@@ -90,7 +90,7 @@ def test_the_training_call_runs_it_and_inference_does_not(monkeypatch):
     torch.manual_seed(0)
     bilm = BiLM(tiny()).train()
     calls = []
-    monkeypatch.setattr("elmo_core.model.conv_max", lambda *a: calls.append(1) or char_cnn.conv_max(*a))
+    monkeypatch.setattr("elmo_core.bilm.model.conv_max", lambda *a: calls.append(1) or char_cnn.conv_max(*a))
     ids = batch_to_ids([["I", "ate", "an", "apple", "."], ["Hi"]])
     bilm(ids)["activations"][0].sum().backward()
     assert not calls  # not prepared: the reference

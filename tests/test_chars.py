@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from elmo_core.chars import batch_to_ids, char_ids, distinct_rows, raw_char_ids, tokens_to_char_array
+from elmo_core.text.chars import batch_to_ids, char_ids, distinct_rows, raw_char_ids, tokens_to_char_array
 
 PAD = [261]
 

@@ -11,8 +11,14 @@ import pytest
 import torch
 import yaml
 
-from elmo_core.checkpoint import digest_path, list_checkpoints, load_checkpoint, load_newest_valid, write_checkpoint
 from elmo_core.errors import CheckpointError
+from elmo_core.train.checkpoint import (
+    digest_path,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest_valid,
+    write_checkpoint,
+)
 from tests.helpers import run_elmo
 
 
@@ -84,8 +90,8 @@ def test_a_checkpoint_without_a_digest_must_still_load(tmp_path):
 @pytest.mark.slow
 def test_train_resume_and_export_survive_a_damaged_newest_checkpoint(tmp_path, bilm_tf_dir):
     """Through the CLI as a user runs it: the resumed run logs exactly the losses of an uninterrupted run."""
+    from elmo_core.data.vocab import VocabConfig, build_vocab
     from elmo_core.ingest import IngestConfig, ingest
-    from elmo_core.vocab import VocabConfig, build_vocab
     from tests.test_train import FIXTURE_OPTIONS
 
     ingest(

@@ -14,8 +14,8 @@ import duckdb
 import pytest
 
 from elmo_core import cpu
-from elmo_core.embed import LOCK_NAME, work_dir
 from elmo_core.fileio import FolderLock
+from elmo_core.vectors.embed import LOCK_NAME, work_dir
 from tests.helpers import ROOT, run_elmo
 from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture: bilm-tf's data, its vocab)
 
@@ -284,7 +284,7 @@ def _running(pid: int) -> bool:
 
 DASK_SCRIPT = """
 import json, sys
-from elmo_core.embed import EmbedConfig
+from elmo_core.vectors.embed import EmbedConfig
 from flows.embed import run_on_dask
 
 if __name__ == "__main__":
@@ -299,8 +299,8 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
 
     import psutil
 
-    from elmo_core.embed import EmbedConfig, plan_units
     from elmo_core.ingest import IngestConfig, ingest, shard_paths
+    from elmo_core.vectors.embed import EmbedConfig, plan_units
 
     lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(WORDS * 40)]
     (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
@@ -354,7 +354,7 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
 def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir):
     import os
 
-    from elmo_core.embed import EmbedConfig
+    from elmo_core.vectors.embed import EmbedConfig
 
     script = tmp_path / "unguarded.py"
     script.write_text(DASK_SCRIPT.replace('if __name__ == "__main__":\n    ', ""))

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from elmo_core import BiLM, cpu
+from elmo_core.bilm.kernels import choice, fused_gates, packed
+from elmo_core.bilm.model import init_bilm_tf
 from elmo_core.config import preset
 from elmo_core.errors import ConfigError
-from elmo_core.kernels import choice, fused_gates, packed
-from elmo_core.model import init_bilm_tf
 from tests.helpers import ROOT, run_elmo
 
 SENTENCES = [["The", "bank", "of", "the", "river", "."], ["I", "opened", "an", "account", "at", "the", "bank"], ["x"]]
@@ -59,7 +59,7 @@ def test_the_override_makes_the_cpu_look_avx2_only_to_the_project(monkeypatch):
 def test_set_before_torch_loads_it_holds_torch_s_own_kernels_to_avx2_too():
     code = (
         "import elmo_core, torch\n"
-        "from elmo_core.kernels import packed\n"
+        "from elmo_core.bilm.kernels import packed\n"
         "print(torch.backends.cpu.get_cpu_capability(), torch.ops.mkldnn._is_mkldnn_bf16_supported())\n"
         "print(packed.packing(torch.bfloat16)[1])\n"
     )

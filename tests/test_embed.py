@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from elmo_core import BiLM
-from elmo_core.embed import EmbedConfig, embed
 from elmo_core.errors import ConfigError
 from elmo_core.ingest import IngestConfig, ingest
-from elmo_core.query import EmbeddingStore
+from elmo_core.vectors.embed import EmbedConfig, embed
+from elmo_core.vectors.query import EmbeddingStore
 from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,8 +199,8 @@ def test_query_cli(corpus, tmp_path, allennlp_dir):
 @pytest.mark.slow
 def test_a_model_trained_here_separates_two_senses_that_layer_0_cannot(tmp_path):
     """'bank' by the river vs 'bank' with money: contextual layers group by sense, layer 0 is one vector."""
-    from elmo_core.train import TrainConfig, train
-    from elmo_core.vocab import VocabConfig, build_vocab
+    from elmo_core.data.vocab import VocabConfig, build_vocab
+    from elmo_core.train.loop import TrainConfig, train
 
     rng = np.random.default_rng(0)
     river = ["river", "water", "fish", "boat", "muddy", "grassy", "shore", "stream", "ducks", "reeds"]

@@ -13,9 +13,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_core.embed import EmbedConfig, embed, plan_units, work_dir
 from elmo_core.errors import InputError, OutputError
 from elmo_core.ingest import IngestConfig, ingest, shard_paths
+from elmo_core.vectors.embed import EmbedConfig, embed, plan_units, work_dir
 from tests.helpers import run_elmo
 
 A = ["the cat sat on the mat .", "a dog ran in the park ."]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from elmo_core import BiLM
+from elmo_core.bilm.kernels import fused_gates
+from elmo_core.bilm.model import init_bilm_tf
 from elmo_core.config import tiny
-from elmo_core.kernels import fused_gates
-from elmo_core.model import init_bilm_tf
 from tests.helpers import assert_same_vectors, cpu_precisions
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too

@@ -28,8 +28,8 @@ def test_cuda_bf16_autocast_is_close(allennlp_dir):
 
 def test_cudnn_fused_path_matches_general_on_cuda():
     from elmo_core import batch_to_ids
+    from elmo_core.bilm.model import init_bilm_tf
     from elmo_core.config import tiny
-    from elmo_core.model import init_bilm_tf
 
     torch.manual_seed(0)
     config = tiny().model_copy(update={"lstm": tiny().lstm.model_copy(update={"cell_clip": None, "proj_clip": None})})
@@ -63,9 +63,9 @@ def test_allennlp_drop_in_on_cuda_matches_the_cpu(allennlp_dir):
 def test_training_on_cuda_picks_bf16_prefetches_to_the_gpu_and_resumes_exactly(tmp_path, bilm_tf_dir):
     """precision auto on a bf16 GPU is bf16; batches arrive on the GPU from the prefetch thread (pinned, side stream);
     a resumed run continues with the losses of an uninterrupted one."""
+    from elmo_core.data.vocab import VocabConfig, build_vocab
     from elmo_core.ingest import IngestConfig, ingest
-    from elmo_core.train import TrainConfig, setup, train
-    from elmo_core.vocab import VocabConfig, build_vocab
+    from elmo_core.train.loop import TrainConfig, setup, train
 
     ingest(IngestConfig(sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "i"), heldout_fraction=0))
     build_vocab(
@@ -93,8 +93,8 @@ def test_two_gpu_ranks_train_with_nccl_to_identical_weights(tmp_path, bilm_tf_di
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
+    from elmo_core.data.vocab import VocabConfig, build_vocab
     from elmo_core.ingest import IngestConfig, ingest
-    from elmo_core.vocab import VocabConfig, build_vocab
 
     ingest(IngestConfig(sources=[str(bilm_tf_dir / "train" / "data.txt")], out=str(tmp_path / "i"), heldout_fraction=0))
     build_vocab(

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.query_scale import write_table
-from elmo_core import ann
 from elmo_core.errors import ConfigError, InputError
-from elmo_core.query import EmbeddingStore
+from elmo_core.vectors import ann
+from elmo_core.vectors.query import EmbeddingStore
 from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,7 +200,7 @@ def test_bad_input_gets_one_line_naming_the_path_and_the_cause(table, tmp_path):
 
 
 def test_pooled_tables_index_sentences(tmp_path, allennlp_dir):
-    from elmo_core.embed import EmbedConfig, embed
+    from elmo_core.vectors.embed import EmbedConfig, embed
 
     probes = ROOT / "data" / "probes" / "apple.txt"
     embed(EmbedConfig(model=str(allennlp_dir), input=str(probes), out=str(tmp_path / "pool"), pool="mean"))

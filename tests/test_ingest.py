@@ -21,7 +21,7 @@ import pytest
 
 import elmo_core.ingest.readers as readers_module
 from elmo_core.ingest import SHARD_SCHEMA, IngestConfig, _HashSet, ingest, sentence_hashes, shard_paths
-from elmo_core.tokenize import _only_ascii_separators, split_sentences, split_whitespace, unicode_tokens
+from elmo_core.text.tokenize import _only_ascii_separators, split_sentences, split_whitespace, unicode_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 

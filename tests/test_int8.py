@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from elmo_core import BiLM
-from elmo_core.corpus import _prose_paragraphs
-from elmo_core.kernels import choice, fused_gates, int8
-from elmo_core.options import EmbedConfig
+from elmo_core import precision as precision_module
+from elmo_core.bilm.kernels import choice, fused_gates, int8
 from elmo_core.precision import PrecisionError, resolve_precision
-from elmo_core.tokenize import split_sentences, unicode_tokens
+from elmo_core.text.corpus import _prose_paragraphs
+from elmo_core.text.tokenize import split_sentences, unicode_tokens
 from tests.helpers import ROOT, assert_same_vectors, run_elmo
 
-pytestmark = pytest.mark.skipif(not int8.int8()[0], reason=f"no int8 here: {int8.int8()[1]}")
+# only the tests that run int8 products need them; the refusals are tested everywhere
+needs_int8 = pytest.mark.skipif(not int8.available(), reason=f"no int8 here: {int8.describe()}")
 
 
 def _real_sentences(n: int) -> list[list[str]]:
@@ -34,6 +35,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
+@needs_int8
 def test_int8_holds_the_cosine_bar_on_real_text_with_the_tf_trained_model(allennlp_dir):
     bilm = BiLM.from_pretrained(str(allennlp_dir))
     text = _real_sentences(400)
@@ -48,6 +50,7 @@ def test_int8_holds_the_cosine_bar_on_real_text_with_the_tf_trained_model(allenn
     np.testing.assert_array_equal(exact[0][0], quantized[0][0])  # layer 0 (the char CNN) stays fp32
 
 
+@needs_int8
 def test_int8_products_with_and_without_the_c_gates_agree(allennlp_dir):
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())
@@ -60,12 +63,19 @@ def test_int8_products_with_and_without_the_c_gates_agree(allennlp_dir):
     assert_same_vectors(fused, bilm.embed_sentences(sentences), "int8", fp32_atol=0)
 
 
-def test_int8_is_offered_on_the_cpu_never_by_auto_and_refused_in_one_line_elsewhere():
+@needs_int8
+def test_int8_is_offered_on_the_cpu_and_never_by_auto():
     assert "int8" in choice.offered_precisions("cpu") and "int8" not in choice.offered_precisions("cuda")
     assert resolve_precision("int8", "cpu") == "int8" and resolve_precision("auto", "cpu") != "int8"
+
+
+def test_int8_is_refused_in_one_line_off_the_cpu_and_where_torch_has_no_int8_products(monkeypatch):
     with pytest.raises(PrecisionError, match=r"^precision int8: CPU inference only .*; on cuda use fp32 or bf16$"):
         resolve_precision("int8", "cuda")
-    assert EmbedConfig(model="m", input="i", out="o", precision="int8").precision == "int8"
+    monkeypatch.setattr(precision_module, "int8_products", lambda: (False, "no dynamic int8 products in this torch"))
+    with pytest.raises(PrecisionError, match=r"^precision int8: no dynamic int8 products in this torch; use .* fp32$"):
+        resolve_precision("int8", "cpu")
+    assert "int8" not in choice.offered_precisions("cpu")
 
 
 def test_training_in_int8_is_refused_by_its_flag_and_by_its_config_key(tmp_path):
@@ -82,6 +92,7 @@ def test_training_in_int8_is_refused_by_its_flag_and_by_its_config_key(tmp_path)
     assert not (tmp_path / "o").exists()
 
 
+@needs_int8
 def test_elmo_embed_in_int8_writes_the_table_and_says_what_ran(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     source = ROOT / "data" / "probes" / "apple.txt"

@@ -17,9 +17,9 @@ import psutil
 import pytest
 import torch
 
-from elmo_core.batches import SentenceStream
+from elmo_core.data.batches import SentenceStream
 from elmo_core.options import TrainConfig
-from elmo_core.train import latest_checkpoint
+from elmo_core.train.export import latest_checkpoint
 from tests.helpers import ROOT
 from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# elmo_core from the bottom up: a module may import only modules listed before it.
+# elmo_core from the bottom up, in rooms (a module or a package): a room may import only rooms listed before it,
+# and inside a package (ROOMS below) likewise; what sits below the package is open to all of it.
 LAYERS = [
     "errors",
     "cpu",
@@ -16,109 +17,124 @@ LAYERS = [
     "progress",
     "precision",
     "ranks",  # plumbing
-    "chars",
+    "text",  # text and character ids
     "config",
-    "tokenize",
-    "wordnet",
     "options",
-    "vocab_file",  # ids, the model config, WordNet's files, every stage's options
+    "stage",  # the model config and presets, every stage's options, the stage protocol and its local runner
     "ingest",
-    "vocab",
-    "batches",
-    "prefetch",  # text → Parquet → DuckDB vocab → batches, made ahead of the step
-    "weights",
-    "inference",
-    "lstm_math",  # the reference LSTM arithmetic, shared by the kernels and the model
-    "kernels",  # the CPU's speed kernels (inference, training), a package of their own (PACKAGES below)
-    "packing",
-    "model",
-    "__init__",  # weight files, running over sentences, the network
-    "softmax",
-    "checkpoint",
-    "tracking",
-    "train",
-    "launch",  # training, on one process or launched on several
-    "embed",
-    "probe",
-    "ann",
-    "query",
-    "corpus",  # embeddings, the nearest-neighbour index, queries, the default corpus
-    "mlflow_model",
+    "data",  # text → Parquet → DuckDB vocab → batches
+    "bilm",
+    "__init__",  # the network: weights, running over sentences, kernels, the model (the package exports it)
+    "train",  # training, on one process or launched on several
+    "vectors",  # embeddings, the nearest-neighbour index, queries, probes
     "allennlp",  # AllenNLP's ELMo surface on this project
     "cli",  # entry points
 ]
 
-
-# inside the subpackages, bottom up likewise
-PACKAGES = {
-    "kernels": ["cache", "packed", "int8", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"],
+# inside the packages, bottom up likewise
+ROOMS = {
+    "text": ["chars", "tokenize", "wordnet", "vocab_file", "corpus", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
+    "data": ["vocab", "batches", "prefetch", "__init__"],
+    "bilm": ["weights", "inference", "lstm_math", "kernels", "packing", "model", "softmax", "__init__"],
+    "bilm.kernels": [
+        *("cache", "packed", "int8", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"),
+    ],
+    "train": [
+        *("checkpoint", "tracking", "objective", "evaluate", "export", "loop", "launch", "mlflow_model", "__init__"),
+    ],
+    "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index is a part of an embedding job
     "allennlp": ["keys", "modules", "commands", "__init__"],
 }
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """elmo_core modules a file imports, at module level or inside functions."""
-    found: set[str] = set()
+def _exists(dotted: str) -> bool:
+    path = ROOT / "elmo_core" / dotted.replace(".", "/")
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
+def _room_of(path: Path) -> tuple[str, ...]:
+    """``elmo_core/bilm/kernels/choice.py`` → ("bilm", "kernels", "choice"); a package's ``__init__`` keeps it."""
+    return path.relative_to(ROOT / "elmo_core").with_suffix("").parts
+
+
+def _targets(path: Path) -> set[tuple[str, ...]]:
+    """The elmo_core rooms a file imports (at module level or inside functions), as paths below elmo_core; a
+    package's own ``__init__`` is the package's path plus "__init__"."""
+    found: set[tuple[str, ...]] = set()
+
     for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and (node.module == "elmo_core" or node.module.startswith("elmo_core."))
-        ):
-            if node.module == "elmo_core":  # `from elmo_core import x`: a module, or the package's exports
-                found |= {a.name if (ROOT / "elmo_core" / f"{a.name}.py").exists() else "__init__" for a in node.names}
-            else:
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "elmo_core":
+            for alias in node.names:
+                dotted = f"{node.module}.{alias.name}"
+                sub = ".".join(dotted.split(".")[1:])
+                if _exists(sub):  # a module or package imported by name
+                    found.add(tuple(sub.split(".")))
+                else:  # a name from a module, or from a package's __init__
+                    module = tuple(node.module.split(".")[1:])
+                    package = (ROOT / "elmo_core" / "/".join(module)).is_dir()
+                    found.add((*module, "__init__") if package else module)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("elmo_core.")}
+            for alias in node.names:
+                if alias.name.startswith("elmo_core."):
+                    found.add(tuple(alias.name.split(".")[1:]))
     return found
 
 
-def _source(module: str) -> list[Path]:
-    package = ROOT / "elmo_core" / module
-    return sorted(package.glob("*.py")) if package.is_dir() else [ROOT / "elmo_core" / f"{module}.py"]
+def _order(package: tuple[str, ...]) -> list[str]:
+    return LAYERS if not package else ROOMS[".".join(package)]
 
 
-def test_every_module_has_a_layer():
-    top = {p.stem for p in (ROOT / "elmo_core").glob("*.py")} | {
-        p.parent.name for p in (ROOT / "elmo_core").glob("*/__init__.py")
-    }
-    assert sorted(top) == sorted(LAYERS)
-    for package, modules in PACKAGES.items():
-        assert sorted(p.stem for p in (ROOT / "elmo_core" / package).glob("*.py")) == sorted(modules)
+def _upward(path: Path) -> list[str]:
+    """Imports of ``path`` that reach a room at or above its own, inside the first package they share."""
+    room, bad = _room_of(path), []
+    for target in _targets(path):
+        shared = 0
+        while shared < min(len(room), len(target)) and room[shared] == target[shared]:
+            shared += 1
+        if shared == len(target) or shared == len(room):  # itself, or its own package
+            continue
+        order = _order(room[:shared])
+        if order.index(target[shared]) >= order.index(room[shared]):
+            bad.append(".".join(target))
+    return sorted(bad)
 
 
-def test_lower_modules_never_import_higher_ones():
-    for module in LAYERS:
-        allowed = set(LAYERS[: LAYERS.index(module)])
-        for path in _source(module):
-            upward = _imported_modules(path) - allowed - {module}
-            assert not upward, f"{path.relative_to(ROOT)} imports {sorted(upward)}, which sit above it in LAYERS"
+def test_every_module_has_a_room():
+    for package in ["", *ROOMS]:
+        folder = ROOT / "elmo_core" / package.replace(".", "/")
+        present = {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
+        assert sorted(present) == sorted(_order(tuple(package.split(".")) if package else ())), package or "elmo_core"
 
 
-def test_inside_a_package_lower_modules_never_import_higher_ones():
-    for package, modules in PACKAGES.items():
-        prefix = f"elmo_core.{package}"
-        for module in modules:
-            allowed = set(modules[: modules.index(module)])
-            for node in ast.walk(ast.parse((ROOT / "elmo_core" / package / f"{module}.py").read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix):
-                    inner = node.module[len(prefix) + 1 :]
-                    names = [inner.split(".")[0]] if inner else [a.name for a in node.names]
-                    upward = set(names) - allowed - {module}
-                    assert not upward, f"elmo_core/{package}/{module}.py imports {sorted(upward)}, above it"
+def test_lower_rooms_never_import_higher_ones():
+    for path in sorted((ROOT / "elmo_core").rglob("*.py")):
+        upward = _upward(path)
+        assert not upward, f"{path.relative_to(ROOT)} imports {upward}, which sit at or above it in LAYERS/ROOMS"
+
+
+def test_the_layering_check_sees_an_upward_import(tmp_path):
+    """The check itself: a model module importing the trainer, or the kernels importing the model, is caught."""
+    bad = ROOT / "elmo_core" / "bilm" / "kernels" / "_probe_upward.py"
+    try:
+        bad.write_text("from elmo_core.bilm import model\nfrom elmo_core.train import loop\n")
+        ROOMS["bilm.kernels"].insert(0, "_probe_upward")
+        assert _upward(bad) == ["bilm.model", "train.loop"]
+    finally:
+        ROOMS["bilm.kernels"].remove("_probe_upward")
+        bad.unlink()
 
 
 def test_weights_never_builds_a_model():
-    assert not _imported_modules(ROOT / "elmo_core" / "weights.py") & {"model", "inference", "__init__"}
+    imported = {".".join(t) for t in _targets(ROOT / "elmo_core" / "bilm" / "weights.py")}
+    assert not imported & {"bilm.model", "bilm.inference", "__init__"}
 
 
 def test_elmo_core_imports_without_prefect_or_mlflow():
+    modules = "elmo_core, elmo_core.cli, elmo_core.train.loop, elmo_core.vectors.embed, elmo_core.vectors.query"
     code = (
-        "import sys, elmo_core, elmo_core.cli, elmo_core.train, elmo_core.embed, elmo_core.ingest, elmo_core.query, "
-        "elmo_core.batches, elmo_core.tracking; bad = [m for m in ('prefect', 'mlflow', 'flows') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
+        f"import sys, {modules}, elmo_core.ingest, elmo_core.data.batches, elmo_core.train.tracking, elmo_core.stage; "
+        "bad = [m for m in ('prefect', 'mlflow', 'flows') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -147,7 +163,8 @@ def _modules_loaded_by(code: str) -> list[str]:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('duckdb', 'pyarrow', 'prefect', 'mlflow', 'flows')"
         " or m in STAGES))"
     )
-    stages = "STAGES = {'elmo_core.' + s for s in ('ingest', 'vocab', 'train', 'embed', 'probe', 'query', 'batches')}"
+    rooms = "('ingest', 'data.vocab', 'train.loop', 'vectors.embed', 'vectors.probe', 'vectors.query', 'data.batches')"
+    stages = f"STAGES = {{'elmo_core.' + s for s in {rooms}}}"
     result = subprocess.run(
         [sys.executable, "-c", stages + "\n" + probe], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
@@ -158,7 +175,8 @@ def _modules_loaded_by(code: str) -> list[str]:
 def test_the_model_imports_without_the_data_stack():
     """``from elmo_core import BiLM`` (and the kernels) load neither DuckDB, pyarrow, Prefect nor MLflow."""
     assert (
-        _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.kernels") == []
+        _modules_loaded_by("import elmo_core\nfrom elmo_core import BiLM, batch_to_ids\nimport elmo_core.bilm.kernels")
+        == []
     )
 
 
@@ -186,4 +204,4 @@ def test_no_function_over_60_lines_no_class_over_200_and_the_model_under_700():
             if isinstance(node, ast.ClassDef) and lines > 200:
                 too_long.append(f"{path.relative_to(ROOT)}: class {node.name} {lines} lines")
     assert not too_long
-    assert len((ROOT / "elmo_core" / "model.py").read_text(encoding="utf-8").splitlines()) <= 700
+    assert len((ROOT / "elmo_core" / "bilm" / "model.py").read_text(encoding="utf-8").splitlines()) <= 700

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
+from elmo_core.bilm.inference import StateCarry
+from elmo_core.bilm.model import init_bilm_tf
+from elmo_core.bilm.packing import Packing
 from elmo_core.config import tiny
-from elmo_core.inference import StateCarry
-from elmo_core.model import init_bilm_tf
-from elmo_core.packing import Packing
 from tests.helpers import assert_same_vectors, cpu_precisions, needs_native_bf16
 
 SENTENCES = [
@@ -204,7 +204,7 @@ def test_cached_inference_weights_give_the_reference_kernel_s_numbers(model):
 
 def test_packed_step_weights_give_the_bmm_numbers_in_both_precisions(model):
     """The oneDNN-packed per-step products (packed.py) are the same products as bmm, as rows drop out step by step."""
-    from elmo_core.kernels import packed as packed_module
+    from elmo_core.bilm.kernels import packed as packed_module
 
     assert packed_module.packing_available() == torch.backends.mkldnn.is_available()  # never silently off
     sentences = [s * 3 for s in SENTENCES]  # 15, 6 and 33 tokens: the active rows shrink twice

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
-from elmo_core.inference import TokenCache
-from elmo_core.vocab import read_vocab_file
+from elmo_core.bilm.inference import TokenCache
+from elmo_core.data.vocab import read_vocab_file
 
 ATOL = 1e-5
 

@@ -16,7 +16,7 @@ from elmo_core.cli import COMMANDS, build_parser, parse_config
 from elmo_core.config import PRESETS, PresetName
 from elmo_core.errors import ConfigError
 from elmo_core.options import CPU_TRAIN_OPTIONS, EmbedOptions, IngestOptions, TrainConfig, TrainOptions, VocabOptions
-from elmo_core.tokenize import TokenizerName
+from elmo_core.text.tokenize import TokenizerName
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_FIELDS = {"help", "config"}  # the two flags every command adds

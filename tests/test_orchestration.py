@@ -323,8 +323,8 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
 def test_embed_flow_on_a_two_worker_dask_cluster_then_its_index(prefect_server, tmp_path, allennlp_dir, monkeypatch):
     for key, value in prefect_server.items():
         monkeypatch.setenv(key, value)
-    from elmo_core.embed import EmbedConfig
     from elmo_core.ingest import IngestConfig, ingest
+    from elmo_core.vectors.embed import EmbedConfig
 
     lines = [f"sentence number {i} about the {w} ." for i, w in enumerate(["apple", "phone", "river", "bank"] * 50)]
     (tmp_path / "c.txt").write_text("\n".join(lines) + "\n")
@@ -332,7 +332,7 @@ def test_embed_flow_on_a_two_worker_dask_cluster_then_its_index(prefect_server, 
         IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"))
     )  # one row group, cut into units by tokens
     script = (
-        "import json, sys; from flows.embed import run_on_dask; from elmo_core.embed import EmbedConfig; "
+        "import json, sys; from flows.embed import run_on_dask; from elmo_core.vectors.embed import EmbedConfig; "
         "print(json.dumps(run_on_dask(EmbedConfig.model_validate_json(sys.argv[1]), n_workers=2)))"
     )
     config = EmbedConfig(
@@ -354,7 +354,7 @@ def test_embed_flow_on_a_two_worker_dask_cluster_then_its_index(prefect_server, 
     rel = con.read_parquet(sorted(str(p) for p in (tmp_path / "emb").glob("part-*.parquet")))  # noqa: F841  (used by name)
     assert con.execute("SELECT count(*) FROM rel").fetchone()[0] == sum(len(line.split()) for line in lines)
 
-    from elmo_core.query import EmbeddingStore
+    from elmo_core.vectors.query import EmbeddingStore
 
     assert summary["index_shards"] == 1 and summary["index_line"].startswith("index: 1 shards (1,400 rows) built")
     indexed, exact = EmbeddingStore(tmp_path / "emb"), EmbeddingStore(tmp_path / "emb", exact=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elmo_core.kernels.fused_gates import SOURCES
+from elmo_core.bilm.kernels.fused_gates import SOURCES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_the_wheel_ships_every_c_source_the_kernels_compile(tmp_path):
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in SOURCES:
-        assert f"elmo_core/kernels/{source.name}" in names
+        assert f"elmo_core/bilm/kernels/{source.name}" in names
 
 
 @pytest.mark.slow

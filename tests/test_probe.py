@@ -12,8 +12,8 @@ import pytest
 from elmo_core import BiLM
 from elmo_core.errors import InputError
 from elmo_core.options import TagConfig, WsdConfig
-from elmo_core.probe import read_sense_examples, read_tagged, run_tag, run_wsd, wsd_scores
-from elmo_core.wordnet import SenseExample, base_forms, read_wordnet
+from elmo_core.text.wordnet import SenseExample, base_forms, read_wordnet
+from elmo_core.vectors.probe import read_sense_examples, read_tagged, run_tag, run_wsd, wsd_scores
 from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def test_the_wordnet_reader_finds_each_lemma_s_inflected_forms_and_keeps_ambiguo
 
 
 def test_wordnet_definitions_without_their_examples_as_a_corpus(tmp_path):
-    from elmo_core.wordnet import write_definitions
+    from elmo_core.text.wordnet import write_definitions
 
     lines = write_definitions(write_wordnet_sample(tmp_path / "wn"), tmp_path / "definitions.txt")
     text = (tmp_path / "definitions.txt").read_text()
@@ -182,7 +182,7 @@ def test_layer_0_equals_the_most_frequent_sense_baseline(bank_senses, allennlp_d
 
 
 def test_identical_words_get_identical_layer_0_vectors_whatever_their_batch(allennlp_dir, monkeypatch):
-    import elmo_core.inference as inference
+    import elmo_core.bilm.inference as inference
 
     monkeypatch.setattr(inference, "CACHE_TOKENS", 8)  # every few sentences a new token cache
     bilm = BiLM.from_pretrained(str(allennlp_dir))

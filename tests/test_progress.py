@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from elmo_core.embed import EmbedConfig, embed
+from elmo_core.data.vocab import build_vocab
 from elmo_core.ingest import ingest
 from elmo_core.options import IngestConfig, TrainConfig, VocabConfig
 from elmo_core.progress import add_sink, track
-from elmo_core.train import train
-from elmo_core.vocab import build_vocab
+from elmo_core.train.loop import train
+from elmo_core.vectors.embed import EmbedConfig, embed
 
 
 class Recorder:
@@ -75,8 +75,8 @@ def test_without_a_terminal_progress_is_logged_with_an_eta(caplog, monkeypatch):
 def test_a_launched_ranks_progress_lines_move_this_process_progress():
     """launch.ProgressRelay: rank 0's progress log lines, as torchrun streams them, drive a local progress (and so
     the Prefect artifact); other lines pass through."""
-    from elmo_core.launch import ProgressRelay
     from elmo_core.progress import add_sink
+    from elmo_core.train.launch import ProgressRelay
 
     class Recorder:
         def __init__(self) -> None:
@@ -98,7 +98,7 @@ def test_a_launched_ranks_progress_lines_move_this_process_progress():
             "2026-12-01 19:32:39,606 elmo_core.progress INFO train: 24/240 steps (10%), ETA 0:41, loss 4.1"
         )
         assert relay.feed("train: 1,200/2,400 steps (50%), ETA 1:02:03")
-        assert not relay.feed("2026-12-01 19:32:40,001 elmo_core.train INFO checkpoint /x/step-000000020.pt")
+        assert not relay.feed("2026-12-01 19:32:40,001 elmo_core.train.loop INFO checkpoint /x/step-000000020.pt")
         assert relay.feed("evaluate: 3/3 batches (100%), ETA 0:00, perplexity 61.2")
         relay.close()
     assert recorder.events[:2] == [("begin", "train", 240.0), ("update", "train", 24.0)]
@@ -109,7 +109,7 @@ def test_a_launched_ranks_progress_lines_move_this_process_progress():
 def test_a_launch_failure_names_the_rank_killed_not_the_ranks_it_broke(tmp_path):
     """torchrun lists the other failures before its root cause; a rank killed by a signal that torchrun does not send
     (it stops the others with SIGTERM) is the cause, named even where another rank failed first."""
-    from elmo_core.launch import _failure
+    from elmo_core.train.launch import _failure
 
     def block(rank: int, code: int) -> list[str]:
         return [f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 12{rank})"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from elmo_core import ScalarMix
+from elmo_core.bilm.model import fixed_mix
 from elmo_core.errors import ConfigurationError, InputError
-from elmo_core.model import fixed_mix
 
 
 def _reference(

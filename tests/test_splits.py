@@ -12,10 +12,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from elmo_core.data.vocab import build_vocab
 from elmo_core.errors import OutputError
 from elmo_core.ingest import IngestConfig, ingest, shard_paths
 from elmo_core.options import Source, VocabConfig
-from elmo_core.vocab import build_vocab
 from tests.helpers import run_elmo, run_module
 
 TRAIN = [f"the cat number {i} sat on the mat ." for i in range(40)] + ["a dog ran ."] * 3
@@ -162,8 +162,8 @@ def _softmax_model(folder: Path) -> Path:
     import torch
 
     from elmo_core import BiLM
+    from elmo_core.bilm.model import init_bilm_tf
     from elmo_core.config import preset
-    from elmo_core.model import init_bilm_tf
 
     words = sorted({w for line in TRAIN for w in line.split()})
     vocab = ["<S>", "</S>", "<UNK>", *words]

@@ -18,10 +18,12 @@ import yaml
 from torch import Tensor
 
 from elmo_core import BiLM
+from elmo_core.bilm.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
+from elmo_core.data.vocab import VocabConfig, build_vocab
 from elmo_core.ingest import IngestConfig, ingest
-from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
-from elmo_core.train import TrainConfig, TrainingDivergedError, evaluate, latest_checkpoint, train
-from elmo_core.vocab import VocabConfig, build_vocab
+from elmo_core.train.evaluate import evaluate
+from elmo_core.train.export import latest_checkpoint
+from elmo_core.train.loop import TrainConfig, TrainingDivergedError, train
 from tests.helpers import run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +121,7 @@ def test_sparse_softmax_gradients_equal_dense():
 def test_blocked_sampled_softmax_gives_the_dense_loss_and_gradients(precision, monkeypatch):
     """The loss is computed and differentiated in row blocks (never the whole (N, S) logits); across block edges,
     with accidental hits in several blocks, it equals the dense formula, under bf16 autocast too."""
-    import elmo_core.softmax as softmax_module
+    import elmo_core.bilm.softmax as softmax_module
 
     monkeypatch.setattr(softmax_module._SampledLogSumExp, "BLOCK_ROWS", 16)
     torch.manual_seed(0)
@@ -233,7 +235,7 @@ def test_sigkill_then_resume_logs_the_same_losses(fixture_data, tmp_path):
 def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_path):
     """Warm-up, then constant, inverse square root or cosine; the optimizer runs the rate of its step (so an exact
     resume needs no scheduler state)."""
-    from elmo_core.train import learning_rate_at, setup, train_step
+    from elmo_core.train.loop import learning_rate_at, setup, train_step
 
     config = TrainConfig(
         data=str(fixture_data),
@@ -275,10 +277,10 @@ def _weights(model_dir: Path) -> dict[str, Tensor]:
 
 
 def test_export_best_exports_the_lowest_heldout_perplexity_and_survives_a_resume(data_with_heldout, tmp_path, caplog):
-    from elmo_core.train import export_checkpoint
+    from elmo_core.train.export import export_checkpoint
 
     options = {**FIXTURE_OPTIONS, "data": str(data_with_heldout), "dropout": 0.0, "n_epochs": 30, "export": "best"}
-    with caplog.at_level("INFO", logger="elmo_core.train"):
+    with caplog.at_level("INFO", logger="elmo_core.train.loop"):
         result = train(TrainConfig(out=str(tmp_path / "run"), **options))
     evaluations = _evaluations(caplog)
     assert len(evaluations) == 30 and max(evaluations) == result.steps  # each epoch's end, and the end
@@ -327,7 +329,7 @@ def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
 def test_a_checkpoint_of_parallel_per_rank_lists_reads_as_one_record_per_rank(fixture_data, tmp_path):
     """Files written before one record per rank (lists by rank) still resume: the same records come out, and a CUDA
     state list that does not line up with the ranks (some ranks on the CPU) is dropped, not misassigned."""
-    from elmo_core.checkpoint import Checkpoint
+    from elmo_core.train.checkpoint import Checkpoint
 
     train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=2, **FIXTURE_OPTIONS))
     payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
@@ -346,7 +348,7 @@ def test_a_checkpoint_of_parallel_per_rank_lists_reads_as_one_record_per_rank(fi
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data, tmp_path, monkeypatch):
-    import elmo_core.train as train_module
+    import elmo_core.train.loop as train_module
 
     calls = {"n": 0}
     real = train_module.sampled_softmax_loss
@@ -473,7 +475,7 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     assert {"export/options.json", "export/weights.hdf5", "export/vocab.txt"} <= exported
     version = max(client.search_model_versions("name = 'elmo-test'"), key=lambda v: int(v.version))
     mlflow.set_tracking_uri(uri)
-    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.train.tracking import resolve_model_dir
 
     for model_uri in (f"models:/elmo-test/{version.version}", result.model_uri):
         bilm = BiLM.from_pretrained(

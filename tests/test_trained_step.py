@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from elmo_core import BiLM, batch_to_ids
+from elmo_core.bilm.kernels import choose_training, trained_step
+from elmo_core.bilm.model import LstmCell, _recurrence, init_bilm_tf
 from elmo_core.config import tiny
-from elmo_core.kernels import choose_training, trained_step
-from elmo_core.model import LstmCell, _recurrence, init_bilm_tf
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
 SENTENCES = [["I", "ate", "an", "apple", "."], ["Hi"], ["The", "quick", "brown", "fox", "jumps", "over", "it", "."]]
@@ -135,7 +135,7 @@ def test_the_model_s_gradients_are_the_reference_s(precision, monkeypatch):
     bilm = _model()
     calls = []
     window = trained_step.Window
-    monkeypatch.setattr("elmo_core.model.Window", lambda *a: calls.append(1) or window(*a))
+    monkeypatch.setattr("elmo_core.bilm.model.Window", lambda *a: calls.append(1) or window(*a))
     reference = _gradients(bilm, precision)
     assert not calls  # not prepared: the reference runs
     assert bilm.prepare_training().one_node

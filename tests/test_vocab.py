@@ -8,10 +8,10 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from elmo_core.chars import raw_char_ids
+from elmo_core.data.vocab import VocabConfig, build_vocab, read_vocab_file
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.ingest import IngestConfig, ingest
-from elmo_core.vocab import VocabConfig, build_vocab, read_vocab_file
+from elmo_core.text.chars import raw_char_ids
 
 CORPUS = [
     "b a c a .",

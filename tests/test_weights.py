@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
+from elmo_core.bilm.model import init_bilm_tf
 from elmo_core.config import ModelConfig, tiny
 from elmo_core.errors import ConfigError, WeightFileError
-from elmo_core.model import init_bilm_tf
 
 
 def _datasets(path: Path) -> dict[str, np.ndarray]:

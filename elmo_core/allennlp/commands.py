@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from elmo_core.allennlp.modules import _ElmoBiLm, remove_sentence_boundaries
-from elmo_core.chars import batch_to_ids
 from elmo_core.errors import ConfigError, InputError
+from elmo_core.text.chars import batch_to_ids
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from elmo_core.bilm.weights import forget_gate_bias
 from elmo_core.config import ModelConfig
 from elmo_core.errors import WeightFileError
-from elmo_core.weights import forget_gate_bias
 
 OURS_ENCODER = "token_encoder."
 OURS_LSTM = "lstm."

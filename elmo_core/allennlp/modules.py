@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from elmo_core.allennlp.keys import allennlp_keys, from_allennlp, to_allennlp
-from elmo_core.chars import batch_to_ids
+from elmo_core.bilm.inference import LstmState, StateCarry
+from elmo_core.bilm.model import BiLM, ScalarMix
 from elmo_core.errors import ConfigError
-from elmo_core.inference import LstmState, StateCarry
-from elmo_core.model import BiLM, ScalarMix
+from elmo_core.text.chars import batch_to_ids
 
 __all__ = ["Elmo", "ScalarMix", "_ElmoBiLm", "batch_to_ids", "remove_sentence_boundaries"]
 

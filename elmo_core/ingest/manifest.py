@@ -16,7 +16,7 @@ import pyarrow as pa
 from elmo_core.errors import OutputError
 from elmo_core.fileio import publish
 from elmo_core.ingest.readers import FileStats
-from elmo_core.options import DATASET_OPTIONS, IngestConfig
+from elmo_core.options import DATASET, IngestConfig, tagged
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def dataset_options(out: str | Path) -> dict | None:
 
 def option_changes(stored: dict, config: IngestConfig) -> list[str]:
     """How ``config`` reads text differently from a dataset's stored options ("tokenizer: 'a' → 'b'", …)."""
-    wanted = config.model_dump(include=set(DATASET_OPTIONS))
+    wanted = config.model_dump(include=set(tagged(IngestConfig, DATASET)))
     return [f"{k}: {stored.get(k)!r} → {v!r}" for k, v in wanted.items() if stored.get(k) != v]
 
 
@@ -101,7 +101,9 @@ def check_options(con: duckdb.DuckDBPyConnection, out: Path, config: IngestConfi
     """A dataset grows by new files over many runs, all tokenized and split the same way: refuse other options."""
     row = con.execute(GET_OPTIONS).fetchall()
     if not row:
-        con.execute(SET_OPTIONS, [json.dumps(config.model_dump(include=set(DATASET_OPTIONS)), sort_keys=True)])
+        con.execute(
+            SET_OPTIONS, [json.dumps(config.model_dump(include=set(tagged(IngestConfig, DATASET))), sort_keys=True)]
+        )
         return
     changed = option_changes(json.loads(row[0][0]), config)
     if changed:

@@ -28,7 +28,7 @@ from elmo_core.ingest.readers import Counts, FileStats, content_sha256
 from elmo_core.ingest.shards import write_shard
 from elmo_core.options import IngestConfig
 from elmo_core.progress import Progress, track
-from elmo_core.tokenize import get_tokenizer
+from elmo_core.text.tokenize import get_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from elmo_core.ingest.readers import FileStats, line_array, line_blocks, read_records
 from elmo_core.options import IngestConfig
-from elmo_core.tokenize import get_tokenizer, split_sentences, split_whitespace
+from elmo_core.text.tokenize import get_tokenizer, split_sentences, split_whitespace
 
 log = logging.getLogger(__name__)
 

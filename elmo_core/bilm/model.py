@@ -41,18 +41,18 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from elmo_core import inference
-from elmo_core.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
+from elmo_core.bilm import inference
+from elmo_core.bilm.inference import LstmState
+from elmo_core.bilm.kernels import Kernels, TrainingKernels, choose, choose_training
+from elmo_core.bilm.kernels.char_cnn import conv_max
+from elmo_core.bilm.kernels.trained_step import Window
+from elmo_core.bilm.lstm_math import reference_gates, stacked
+from elmo_core.bilm.packing import Packing, TokenBatch, with_boundaries
+from elmo_core.bilm.weights import forget_gate_bias, read_model_files, write_model_files
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import ConfigurationError, InputError, WeightFileError
-from elmo_core.inference import LstmState
-from elmo_core.kernels import Kernels, TrainingKernels, choose, choose_training
-from elmo_core.kernels.char_cnn import conv_max
-from elmo_core.kernels.trained_step import Window
-from elmo_core.lstm_math import reference_gates, stacked
-from elmo_core.packing import Packing, TokenBatch, with_boundaries
 from elmo_core.precision import resolve_precision
-from elmo_core.weights import forget_gate_bias, read_model_files, write_model_files
+from elmo_core.text.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
 
 Clips = tuple[float | None, float | None]  # (cell_clip, proj_clip)
 

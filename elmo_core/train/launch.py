@@ -32,7 +32,7 @@ from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
-from elmo_core.train import TrainResult, train
+from elmo_core.train.loop import TrainResult, train
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from elmo_core.chars import SPECIAL_TOKENS
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.fileio import atomic_write
+from elmo_core.text.chars import SPECIAL_TOKENS
 
 MAX_TERM_ID = "!!!MAXTERMID"  # bilm-tf skips this marker line
 

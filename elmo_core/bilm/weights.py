@@ -24,7 +24,7 @@ import torch
 from elmo_core.config import ModelConfig, read_options, write_options
 from elmo_core.errors import WeightFileError
 from elmo_core.fileio import atomic_path
-from elmo_core.vocab_file import read_vocab_file, write_vocab_file
+from elmo_core.text.vocab_file import read_vocab_file, write_vocab_file
 
 OPTIONS_NAME = "options.json"
 WEIGHTS_NAME = "weights.hdf5"

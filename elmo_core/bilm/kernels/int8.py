@@ -9,18 +9,19 @@ on real text. The layer-0 input gates (once per distinct word), the bias, the ga
 
 On x86 the activations use 7 bits (``reduce_range``): fbgemm's AVX2 products sum pairs of int8 x uint8 in int16,
 which 8-bit activations can saturate. PyTorch 2.13 marks the quantized tensors these ops rest on as deprecated: the
-warning is expected here and silenced where the weights are made; a torch without the ops has no int8 (``int8``
-says why, once), and ``precision: int8`` is then refused in one line.
+warning is expected here and silenced where the weights are made; a torch without the ops has no int8
+(``precision.int8_products`` says why, once), and ``precision: int8`` is then refused in one line.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from functools import lru_cache
 
 import torch
 from torch import Tensor
+
+from elmo_core.precision import int8_products
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +32,15 @@ def _quantized_engine() -> str:
     return torch.backends.quantized.engine
 
 
-@lru_cache(maxsize=1)
-def int8() -> tuple[bool, str]:
-    """Whether this torch runs dynamic int8 products on this CPU, and why not: one tiny product, checked once
-    against float32 (a wrong result, a missing op or an engine that refuses the CPU each say so)."""
-    try:
-        w = torch.linspace(-1, 1, 64).view(8, 8)
-        x = torch.linspace(1, -1, 24).view(3, 8)
-        got = Int8Weights(w.unsqueeze(0)).products(x.unsqueeze(0))[0]
-    except (AttributeError, RuntimeError) as exc:  # the ops removed, or no quantized engine for this CPU
-        log.debug("dynamic int8 products unavailable: %s", exc)
-        return False, f"no dynamic int8 products in this torch here: {str(exc).splitlines()[0][:120]}"
-    error = float((got - x @ w.T).abs().max())
-    if error > 0.05:
-        return False, f"the int8 product gave wrong numbers here (error {error:.3g})"
-    return True, f"dynamic int8 products ({_quantized_engine()} engine)"
+def available() -> bool:
+    """Whether this torch runs dynamic int8 products here (probed once, ``precision.int8_products``)."""
+    return int8_products()[0]
+
+
+def describe() -> str:
+    """What runs the int8 products, or why nothing can (``elmo info``, the kernels' log line)."""
+    works, why = int8_products()
+    return why if works else f"no ({why})"
 
 
 class Int8Weights:

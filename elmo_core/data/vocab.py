@@ -14,7 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.chars import (
+from elmo_core.errors import InputError
+from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.ingest import shard_paths
+from elmo_core.options import SPLITS, VocabConfig
+from elmo_core.progress import track
+from elmo_core.text.chars import (
     BOS_ID,
     BOS_TOKEN,
     EOS_ID,
@@ -24,12 +29,7 @@ from elmo_core.chars import (
     UNK_TOKEN,
     tokens_to_char_array,
 )
-from elmo_core.errors import InputError
-from elmo_core.fileio import atomic_path, write_text_atomic
-from elmo_core.ingest import shard_paths
-from elmo_core.options import SPLITS, VocabConfig
-from elmo_core.progress import track
-from elmo_core.vocab_file import MAX_TERM_ID, check_training_vocab, read_vocab_file, write_vocab_file
+from elmo_core.text.vocab_file import MAX_TERM_ID, check_training_vocab, read_vocab_file, write_vocab_file
 
 __all__ = [
     "MAX_TERM_ID",
@@ -169,7 +169,7 @@ def build_vocab(config: VocabConfig) -> dict[str, float]:
 
 
 def _store_char_ids(con: duckdb.DuckDBPyConnection) -> None:
-    """char_ids from elmo_core.chars (the one place the scheme lives), stored as INTEGER[50] rows."""
+    """char_ids from elmo_core.text.chars (the one place the scheme lives), stored as INTEGER[50] rows."""
     rows = con.execute("SELECT id, token FROM vocab ORDER BY id").fetchall()
     ids = [r[0] for r in rows]
     tokens = [r[1] for r in rows]

@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.chars import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, MAX_CHARS, raw_char_ids
 from elmo_core.errors import InputError
+from elmo_core.text.chars import BOS_ID, BOS_TOKEN, EOS_ID, EOS_TOKEN, MAX_CHARS, raw_char_ids
 
 
 class _CharTable:

@@ -18,18 +18,11 @@ import torch
 from torch import nn
 
 from elmo_core import cpu
+from elmo_core.bilm.kernels import char_cnn, fused_gates, int8, packed, trained_step
+from elmo_core.bilm.kernels.cache import WeightCache
+from elmo_core.bilm.kernels.cells import CpuCell
 from elmo_core.config import LstmConfig
-from elmo_core.kernels import char_cnn, fused_gates, int8, packed, trained_step
-from elmo_core.kernels.cache import WeightCache
-from elmo_core.kernels.cells import CpuCell
-from elmo_core.precision import (
-    PrecisionError,
-    autocast,
-    cpu_capability,
-    cpu_has_native_bf16,
-    native_bf16,
-    resolve_precision,
-)
+from elmo_core.precision import autocast, cpu_has_native_bf16, native_bf16, resolve_precision
 
 NN_LSTM = "PyTorch's nn.LSTM (cuDNN on a GPU; the model has no clips, which nn.LSTM cannot do)"
 
@@ -70,13 +63,13 @@ class Kernels:
         if not self.cpu_cells:
             return f"precision {self.precision} on {self.device}: the reference LSTM cell (PyTorch ops, autocast)"
         products = (
-            f"LSTM step products in int8 {self.packed_weights} ({int8.int8()[1]})"
+            f"LSTM step products in int8 {self.packed_weights} ({int8.describe()})"
             if self.precision == "int8"
             else f"LSTM step weights packed for oneDNN {self.packed_weights}"
         )
         return (
             f"precision {self.precision} on {self.device}: {cpu.facts().line()}, torch CPU kernels "
-            f"{cpu_capability()}, native bf16 "
+            f"{cpu.torch_capability()}, native bf16 "
             f"{'yes' if cpu_has_native_bf16() else 'no'}, {products}, "
             f"LSTM gates fused in C {self.gate_kernel_note}"
         )
@@ -112,7 +105,7 @@ def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
     the device computes it natively (elsewhere it is refused, ``precision.py``), int8 on a CPU whose torch runs
     dynamic int8 products (``int8.py``). ``auto`` never picks int8: it is not exact, so it is asked for."""
     offered = ("fp32", "bf16") if native_bf16(device)[0] else ("fp32",)
-    return (*offered, "int8") if torch.device(device).type == "cpu" and int8.int8()[0] else offered
+    return (*offered, "int8") if torch.device(device).type == "cpu" and int8.available() else offered
 
 
 def choose(
@@ -135,10 +128,7 @@ def choose(
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
         return Kernels(device.type, precision, cpu_cells=False)
-    if precision == "int8":  # every per-step product on int8 weights, at any size
-        works, why = int8.int8()
-        if not works:
-            raise PrecisionError(f"precision int8: {why}; use precision fp32")
+    if precision == "int8":  # every per-step product on int8 weights, at any size (resolve_precision probed them)
         can_pack, why_not, smallest = True, "", 0
     else:
         can_pack, why_not = packed.packing(torch.bfloat16 if precision == "bf16" else torch.float32)

@@ -29,25 +29,25 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from elmo_core import cpu
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
-from elmo_core.progress import Progress, track
+from elmo_core.options import IndexConfig
+from elmo_core.stage import run_local
 
 log = logging.getLogger(__name__)
 
 INDEX_DIR, HEADER = "_index", "index.json"
 FORMAT = 1
-DEFAULT_SHARD_ROWS = 2_000_000  # a shard's codes, metadata and sort fit in about 1.5 GiB at width 1024
 READ_ROWS = 65_536  # rows per batch read from a part while building
 TRAIN_PER_LIST = 40  # training vectors per inverted list (faiss warns below 39)
 MAX_TRAIN = 200_000
@@ -172,9 +172,25 @@ class ShardRecord:
     def from_record(cls, record: dict[str, Any]) -> ShardRecord:
         return cls(record["number"], [PartFile(**p) for p in record["parts"]])
 
-    def files(self, folder: Path) -> list[Path]:
-        suffixes = (".faiss", ".vectors.npy", ".meta.arrow", ".order.npy", ".keys.arrow", ".json")
-        return [folder / f"{self.name}{suffix}" for suffix in suffixes]
+    @property
+    def size(self) -> int:  # what a build's progress counts
+        return self.rows
+
+    def files(self, folder: Path) -> ShardFiles:
+        return ShardFiles(*(folder / f"{self.name}{suffix}" for suffix in ShardFiles.SUFFIXES))
+
+
+class ShardFiles(NamedTuple):
+    """A shard's files, in the order a build writes them (the record last: the shard counts once it is there)."""
+
+    vectors: Path  # the rows' vectors as the table holds them (.npy, memory-mapped for re-ranking)
+    meta: Path  # key, sentence_id, token_index, text per row (Arrow IPC)
+    order: Path  # positions sorted by (key, sentence_id, token_index)
+    keys: Path  # distinct keys with their range in ``order``
+    lists: Path  # the faiss IVF lists of 8-bit codes
+    record: Path  # the parts it covers (JSON)
+
+    SUFFIXES = (".vectors.npy", ".meta.arrow", ".order.npy", ".keys.arrow", ".faiss", ".json")
 
 
 def read_shards(folder: Path) -> list[ShardRecord]:
@@ -232,61 +248,49 @@ def default_nlist(rows: int) -> int:
 
 @dataclass
 class BuildPlan:
-    """The shards one ``elmo index`` run builds: parts no valid shard covers, in groups of about ``shard_rows``."""
+    """What one ``elmo index`` run does (the stage's plan): start afresh or keep the index, drop stale shards, and
+    build shards of about ``shard_rows`` rows for the parts no valid shard covers (its units)."""
 
     folder: Path
     facts: TableFacts
+    fresh: bool  # everything there is dropped and the quantizer trained anew
     kept: list[ShardRecord]
+    dropped: list[ShardRecord]
     todo: list[ShardRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def units(self) -> list[ShardRecord]:
+        return self.todo
 
     @property
     def rows_todo(self) -> int:
         return sum(s.rows for s in self.todo)
 
 
-def _remove_shard(folder: Path, shard: ShardRecord) -> None:
-    for path in reversed(shard.files(folder)):  # the record first: the shard stops counting before its data goes
-        path.unlink(missing_ok=True)
-
-
-def plan_build(
-    table: Path, layer: str | None = None, shard_rows: int = DEFAULT_SHARD_ROWS, rebuild: bool = False, **tuning: Any
-) -> BuildPlan:
-    """Check the table and its index, drop what is stale, train the quantizer if needed, and group new parts.
-
-    Call it under ``build_lock``: it deletes stale shards and the temporary files of killed builds.
-    """
+def plan_build(table: Path, layer: str | None, shard_rows: int, rebuild: bool = False, **tuning: Any) -> BuildPlan:
+    """Decide what a build does, reading the table and the index and changing neither (``make_room`` acts on it).
+    A shard that is stale, or lost a part, is rebuilt with its parts' successors (``Coverage``)."""
     facts = TableFacts.read(table, layer, **tuning)
     folder = index_dir(facts.table, facts.header.column)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(".*.tmp"):  # a build killed midway; the lock says none is running now
-        stale.unlink(missing_ok=True)
     notes: list[str] = []
     current = read_header(folder)
-    if current is None:  # nothing, or a first build killed between its quantizer and its header: start afresh
-        rebuild = True
-    elif not rebuild:
+    fresh = rebuild or current is None  # nothing, or a first build killed between its quantizer and its header
+    if current is not None and not fresh:
         differs = current.differs(facts.header)
         if differs:
             notes.append(f"the table changed ({differs}): rebuilding the index")
-            rebuild = True
+            fresh = True
         else:
             facts.header.nlist, facts.header.nprobe = current.nlist, current.nprobe
-    if rebuild:
-        for path in folder.glob("shard-*"):
-            path.unlink()
-        (folder / "trained.faiss").unlink(missing_ok=True)
-        (folder / HEADER).unlink(missing_ok=True)
-    kept = []
-    for shard in read_shards(folder):
-        gone = [p.name for p in shard.parts if facts.parts.get(p.name) != p.bytes]
-        if gone:
-            notes.append(f"{shard.name}: part {gone[0]} changed or is gone: rebuilding its {len(shard.parts)} parts")
-            _remove_shard(folder, shard)
-        else:
-            kept.append(shard)
-    plan = BuildPlan(folder, facts, kept, notes=notes)
+    shards = read_shards(folder) if folder.is_dir() else []
+    coverage = Coverage.of([] if fresh else shards, facts.parts)
+    lost = [s for s in coverage.shards if any(p.name in coverage.gone for p in s.parts)]
+    for shard in [*coverage.stale, *lost]:
+        changed = next(p.name for p in shard.parts if facts.parts.get(p.name) != p.bytes)
+        notes.append(f"{shard.name}: part {changed} changed or is gone: rebuilding its {len(shard.parts)} parts")
+    kept = [s for s in coverage.shards if s not in lost]
+    plan = BuildPlan(folder, facts, fresh, kept, shards if fresh else [*coverage.stale, *lost], notes=notes)
     covered = {p.name for s in kept for p in s.parts}
     new = [PartFile(name, size, facts.rows[name]) for name, size in sorted(facts.parts.items()) if name not in covered]
     number = max((s.number for s in kept), default=-1) + 1
@@ -298,9 +302,24 @@ def plan_build(
         group.append(part)
     if group:
         plan.todo.append(ShardRecord(number, group))
-    if not (folder / "trained.faiss").exists() and (plan.todo or kept):
-        _train(plan)
     return plan
+
+
+def make_room(plan: BuildPlan) -> None:
+    """Carry out a plan's removals and train the quantizer where it is needed; under ``build_lock`` only (it deletes
+    the temporary files of killed builds, which the lock says are not running)."""
+    folder = plan.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    if plan.fresh:
+        for path in [*folder.glob("shard-*"), folder / "trained.faiss", folder / HEADER]:
+            path.unlink(missing_ok=True)
+    for shard in plan.dropped:
+        for path in reversed(shard.files(folder)):  # the record first: the shard stops counting before its data goes
+            path.unlink(missing_ok=True)
+    if not (folder / "trained.faiss").exists() and (plan.todo or plan.kept):
+        _train(plan)
 
 
 def _train_sample(table: Path, parts: list[str], column: str, dim: int, want: int) -> np.ndarray:
@@ -368,7 +387,7 @@ def build_shard(
     dtype = np.dtype(header.dtype)
     files = shard.files(folder)
     meta: list[pa.Table] = []
-    with atomic_path(files[1]) as tmp_vectors, open(tmp_vectors, "wb") as out:
+    with atomic_path(files.vectors) as tmp_vectors, open(tmp_vectors, "wb") as out:
         np.lib.format.write_array_header_2_0(
             out,
             {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (shard.rows, header.dim)},
@@ -387,10 +406,10 @@ def build_shard(
                     on_rows(len(vectors))
         if pos != shard.rows:
             raise InputError(f"{table}: parts changed while being indexed ({pos:,} rows read, {shard.rows:,} expected)")
-    _write_meta(files[2], files[3], files[4], meta, header.key)
-    with atomic_path(files[0]) as tmp:
+    _write_meta(files.meta, files.order, files.keys, meta, header.key)
+    with atomic_path(files.lists) as tmp:
         faiss.write_index(index, str(tmp))
-    write_text_atomic(files[5], json.dumps(shard.to_record()) + "\n")
+    write_text_atomic(files.record, json.dumps(shard.to_record()) + "\n")
     return shard
 
 
@@ -452,58 +471,43 @@ def summarize(folder: Path, built: list[ShardRecord], seconds: float, notes: lis
     return IndexSummary(folder, len(built), built_rows, len(shards), covered, size, seconds, notes or [])
 
 
-def _build_in_child(folder: str, table: str, shard: dict[str, Any], threads: int) -> int:
-    import faiss
+class IndexStage:
+    """Indexing as a stage (``elmo_core.stage``): claim the index folder, plan the shards, build each, summarize.
+    A shard builder that a runner started with a share of the cores (``cpu.worker_env``) gives faiss that share."""
 
-    faiss.omp_set_num_threads(threads)
-    return build_shard(Path(folder), Path(table), ShardRecord.from_record(shard)).rows
+    name, counts = "index", "rows"
 
+    def claim(self, config: IndexConfig) -> FolderLock:
+        table = Path(config.table)
+        column = pick_column(first_schema(table).names, config.layer, table)  # checked before _index/<column> is made
+        return build_lock(table, column, config.wait)
 
-def _build_in_processes(plan: BuildPlan, workers: int, progress: Progress) -> list[ShardRecord]:
-    """Shards built by ``workers`` spawned processes, each with its share of the cores as faiss threads."""
-    import multiprocessing
-
-    from elmo_core.cpu import threads_for
-
-    built = []
-    args = (str(plan.folder), str(plan.facts.table))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_build_in_child, *args, s.to_record(), threads_for(workers)): s for s in plan.todo}
-        for future in as_completed(futures):
-            progress.advance(future.result(), futures[future].name)
-            built.append(futures[future])
-    return built
-
-
-def build_index(
-    table: str | Path,
-    layer: str | None = None,
-    *,
-    shard_rows: int = DEFAULT_SHARD_ROWS,
-    workers: int = 1,
-    rebuild: bool = False,
-    wait: bool = False,
-    nlist: int | None = None,
-    nprobe: int | None = None,
-) -> IndexSummary:
-    """Index ``layer``'s column of the table, or add shards for the parts the index does not cover yet.
-
-    ``workers`` > 1 builds shards in that many processes (each with its share of the cores); a killed build
-    leaves no half shard in use, and a rerun builds only what is missing.
-    """
-    started = time.perf_counter()
-    table = Path(table)
-    column = pick_column(first_schema(table).names, layer, table)  # checked before the lock makes _index/<column>
-    with build_lock(table, column, wait):
-        plan = plan_build(table, column, shard_rows, rebuild, nlist=nlist, nprobe=nprobe)
+    def plan(self, config: IndexConfig) -> BuildPlan:
+        tuning = {"nlist": config.nlist, "nprobe": config.nprobe}
+        plan = plan_build(Path(config.table), config.layer, config.shard_rows, config.rebuild, **tuning)
         for note in plan.notes:
             log.info("index: %s", note)
-        with track("index", plan.rows_todo, "rows") as progress:
-            if workers <= 1 or len(plan.todo) <= 1:
-                built = [build_shard(plan.folder, table, shard, progress.advance) for shard in plan.todo]
-            else:
-                built = _build_in_processes(plan, workers, progress)
-        return summarize(plan.folder, built, time.perf_counter() - started, plan.notes)
+        make_room(plan)
+        return plan
+
+    def run_unit(self, plan: BuildPlan, shard: ShardRecord, report: Callable[[int], None] | None = None) -> ShardRecord:
+        import faiss
+
+        share = cpu.thread_share()
+        if share:
+            faiss.omp_set_num_threads(share)
+        return build_shard(plan.folder, plan.facts.table, shard, report)
+
+    def finish(self, plan: BuildPlan, results: list[ShardRecord], seconds: float) -> IndexSummary:
+        return summarize(plan.folder, results, seconds, plan.notes)
+
+
+def build_index(table: str | Path, layer: str | None = None, **options: Any) -> IndexSummary:
+    """Index ``layer``'s column of the table, or add shards for the parts the index does not cover yet (``options``
+    as ``IndexConfig``'s: ``workers`` > 1 builds shards in that many processes, each with its share of the cores).
+    A killed build leaves no half shard in use, and a rerun builds only what is missing."""
+    config = IndexConfig(table=str(table), layer=layer, **options)
+    return run_local(IndexStage(), config, workers=config.workers)
 
 
 # ----- searching ---------------------------------------------------------------------------------------------
@@ -528,12 +532,12 @@ class Shard:
 
         self.record, self.header = record, header
         files = record.files(folder)
-        self.index = faiss.read_index(str(files[0]), faiss.IO_FLAG_MMAP)
+        self.index = faiss.read_index(str(files.lists), faiss.IO_FLAG_MMAP)
         self.index.parallel_mode = 1  # one query at a time: its inverted lists split over the threads, not queries
-        self.vectors = np.load(files[1], mmap_mode="r")
-        self.meta = pa.ipc.open_file(pa.memory_map(str(files[2]))).read_all()
-        self.order = np.load(files[3], mmap_mode="r")
-        self.keys = pa.ipc.open_file(pa.memory_map(str(files[4]))).read_all()
+        self.vectors = np.load(files.vectors, mmap_mode="r")
+        self.meta = pa.ipc.open_file(pa.memory_map(str(files.meta))).read_all()
+        self.order = np.load(files.order, mmap_mode="r")
+        self.keys = pa.ipc.open_file(pa.memory_map(str(files.keys))).read_all()
         self._distinct = self.keys.column("key").combine_chunks()
         starts = np.cumsum([0] + [p.rows for p in record.parts])
         self.dead = [(starts[i], starts[i + 1]) for i, p in enumerate(record.parts) if p.name in gone]
@@ -608,11 +612,27 @@ class _Keys:
 
 @dataclass
 class Coverage:
-    """How the index stands against the table now: what it answers for, what a query must scan exactly."""
+    """How an index stands against the table now, the one rule a build and a query both follow: a shard whose parts
+    are all unchanged or gone is valid (the rows of gone parts are left out); a shard with a part rewritten in place
+    is stale (its rows are scanned exactly, and a build replaces it); table parts no valid shard covers are
+    unindexed (scanned exactly, and a build indexes them)."""
 
-    shards: list[ShardRecord]
-    gone: set[str]  # parts an index shard covers that are no longer in the table (their rows are left out)
-    unindexed: list[str]  # table parts no shard covers (scanned exactly)
+    shards: list[ShardRecord]  # valid
+    stale: list[ShardRecord]
+    gone: set[str]  # parts a valid shard covers that are no longer in the table
+    unindexed: list[str]
+
+    @classmethod
+    def of(cls, shards: list[ShardRecord], parts: dict[str, int]) -> Coverage:
+        valid, stale, gone = [], [], set()
+        for shard in shards:
+            if any(p.name in parts and parts[p.name] != p.bytes for p in shard.parts):
+                stale.append(shard)
+            else:
+                valid.append(shard)
+                gone |= {p.name for p in shard.parts if p.name not in parts}
+        covered = {p.name for s in valid for p in s.parts}
+        return cls(valid, stale, gone, sorted(set(parts) - covered))
 
     def line(self, folder: Path) -> str:
         parts = sum(len(s.parts) for s in self.shards) - len(self.gone)
@@ -650,17 +670,9 @@ class AnnIndex:
                 f"{folder}: an index of another model ({header.model_id}; the table's is {model_id}): "
                 "rerun `elmo index`",
             )
-        shards, gone = [], set()
-        for shard in read_shards(folder):
-            changed = [p.name for p in shard.parts if p.name in parts and parts[p.name] != p.bytes]
-            if changed:
-                continue  # rewritten in place: its rows are scanned exactly instead
-            shards.append(shard)
-            gone |= {p.name for p in shard.parts if p.name not in parts}
-        if not shards:
+        coverage = Coverage.of(read_shards(folder), parts)
+        if not coverage.shards:
             return None, f"{folder}: no finished shard covers this table's parts; rerun `elmo index`"
-        covered = {p.name for s in shards for p in s.parts}
-        coverage = Coverage(shards, gone, sorted(set(parts) - covered))
         return cls(folder, header, coverage, nprobe), coverage.line(folder)
 
     def describe(self) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elmo_core.errors import InputError
-from elmo_core.tokenize import unicode_tokens
+from elmo_core.text.tokenize import unicode_tokens
 
 POS_NAMES = {"n": "noun", "v": "verb", "a": "adj", "r": "adv"}
 INSTALL_HINT = (

@@ -16,7 +16,7 @@ Data formats (what ``read_sense_examples`` and ``read_tagged`` read):
     senses JSONL  {"tokens": ["he", "sat", "on", "the", "bank"], "index": 4, "sense": "09213565-n",
                    "lemma": "bank.n", "sense_number": 1, "split": "train"}      (sense_number, split optional)
     senses TSV    tokens (space-separated) <TAB> index <TAB> sense <TAB> lemma [<TAB> sense_number [<TAB> split]]
-    a folder      WordNet 3.0's database files (``elmo_core.wordnet``)
+    a folder      WordNet 3.0's database files (``elmo_core.text.wordnet``)
     tags          CoNLL-U (the --column, UPOS by default) or one "token tag" per line; a blank line ends a sentence
 
 Vectors come from the embedding path (``BiLM.embed_sentences``: the token cache, length batches, bf16 if asked);
@@ -40,14 +40,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from elmo_core.bilm.model import BiLM, ScalarMix, fixed_mix
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
-from elmo_core.model import BiLM, ScalarMix, fixed_mix
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
-from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
-from elmo_core.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
+from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
+from elmo_core.train.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

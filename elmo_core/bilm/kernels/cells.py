@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from elmo_core.kernels import fused_gates
-from elmo_core.kernels.cache import WeightCache
-from elmo_core.kernels.int8 import Int8Weights
-from elmo_core.kernels.packed import PackedWeights
-from elmo_core.lstm_math import reference_gates, stacked
+from elmo_core.bilm.kernels import fused_gates
+from elmo_core.bilm.kernels.cache import WeightCache
+from elmo_core.bilm.kernels.int8 import Int8Weights
+from elmo_core.bilm.kernels.packed import PackedWeights
+from elmo_core.bilm.lstm_math import reference_gates, stacked
 
 
 @dataclass

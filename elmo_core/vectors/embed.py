@@ -25,10 +25,11 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import shutil
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,25 +40,26 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from elmo_core import cpu
+from elmo_core.bilm.inference import StateCarry, consecutive_batches, length_batches, token_rows
+from elmo_core.bilm.model import BiLM, fixed_mix
+from elmo_core.bilm.weights import OPTIONS_NAME, resolve_model_files
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
-from elmo_core.inference import StateCarry, consecutive_batches, length_batches, token_rows
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
-from elmo_core.model import BiLM, fixed_mix
-from elmo_core.options import EmbedConfig, IngestConfig
-from elmo_core.precision import onednn_verbose, pick_device, resolve_precision
-from elmo_core.progress import track
-from elmo_core.tracking import is_model_uri, resolve_model_dir
-from elmo_core.weights import OPTIONS_NAME, resolve_model_files
+from elmo_core.options import EmbedConfig, IndexConfig, IngestConfig
+from elmo_core.precision import Precision, onednn_verbose, pick_device, resolve_precision
+from elmo_core.stage import run_local
+from elmo_core.train.tracking import is_model_uri, resolve_model_dir
+from elmo_core.vectors.ann import IndexStage, IndexSummary
 
-__all__ = ["EmbedConfig", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]
+__all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]
 
 log = logging.getLogger(__name__)
 
 JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
 # options that do not change the table (where it runs, how it is batched, how a conflict is resolved)
-NOT_IDENTITY = {"device", "max_batch_tokens", "overwrite", "bf16", "wait", "index"}
 LOCK_NAME = "lock"  # in the work folder: the one-writer lock of OUT (fileio.FolderLock)
 
 
@@ -75,6 +77,10 @@ class Unit:
     def name(self) -> str:
         return f"part-{Path(self.shard).stem.removeprefix('part-')}-{self.row_group:05d}-{self.start:07d}.parquet"
 
+    @property
+    def size(self) -> int:
+        return self.tokens
+
 
 @dataclass
 class UnitResult:
@@ -83,13 +89,18 @@ class UnitResult:
     tokens: int
     seconds: float
     skipped: bool = False
+    pid: int = 0  # the process that ran it, and its torch threads (how a job's work was spread)
+    threads: int = 0
 
 
 @dataclass
 class Job:
-    """A prepared embedding job: the model, the units, and where they are written (OUT, or the next table)."""
+    """A planned embedding job (the stage's plan): the model, the precision it runs in (resolved once, here), the
+    units, and where they are written (OUT, or the next table)."""
 
     config: EmbedConfig
+    device: str
+    precision: Precision
     model_dir: Path
     model_id: str  # ``model_id(model_dir)``: hashed once here, not again by every worker
     units: list[Unit]
@@ -101,28 +112,6 @@ class Job:
     def replaces(self) -> bool:
         return self.target != self.out
 
-    def to_record(self) -> dict[str, Any]:
-        """The job as JSON-able values, for a task to pass it on to the tasks after it (the config goes apart)."""
-        return {
-            "model_dir": str(self.model_dir),
-            "model_id": self.model_id,
-            "units": [asdict(u) for u in self.units],
-            "target": str(self.target),
-            "work": str(self.work),
-        }
-
-    @classmethod
-    def from_record(cls, config: EmbedConfig, record: dict[str, Any]) -> Job:
-        return cls(
-            config=config,
-            model_dir=Path(record["model_dir"]),
-            model_id=record["model_id"],
-            units=[Unit(**u) for u in record["units"]],
-            target=Path(record["target"]),
-            out=Path(config.out),
-            work=Path(record["work"]),
-        )
-
 
 def work_dir(out: Path) -> Path:
     """The job's working folder, beside OUT: ``.<name>.elmo``."""
@@ -131,9 +120,7 @@ def work_dir(out: Path) -> Path:
 
 def job_lock(config: EmbedConfig) -> FolderLock:
     """The lock a job on ``config.out`` holds from ``prepare`` to ``finish`` (``with job_lock(config): ...``):
-    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``). A precision the
-    device would only emulate (bf16 on a CPU without it) is refused first, before the folder is touched."""
-    resolve_precision(config.precision, pick_device(config.device))
+    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``)."""
     out = Path(config.out)
     return FolderLock(work_dir(out) / LOCK_NAME, out, wait=config.wait)
 
@@ -320,13 +307,15 @@ def prepare(config: EmbedConfig) -> Job:
     work = work_dir(out)
     made_work = not work.exists() or sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
     try:
+        device = pick_device(config.device)
+        precision = resolve_precision(config.precision, device)  # refused here, before the folder is written
         model_dir = resolve_model_dir(config.model, work / "model" if is_model_uri(config.model) else None)
         if not (model_dir / OPTIONS_NAME).exists():
             raise InputError(f"{model_dir}: no {OPTIONS_NAME}; --model takes a model directory or an MLflow model URI")
         known = {
             "model_id": model_id(model_dir),
             "source": str(Path(config.input).resolve()),
-            "options": config.model_dump(mode="json", exclude={"model", "input", "out", *NOT_IDENTITY}),
+            "options": config.identity(exclude=frozenset({"model", "input", "out"})),
         }
         if not config.overwrite:
             _refuse_another_job_early(out, known)
@@ -352,7 +341,7 @@ def prepare(config: EmbedConfig) -> Job:
         stale.unlink(missing_ok=True)
     if work.is_dir() and not any(work.iterdir()):
         work.rmdir()
-    return Job(config, model_dir, identity["model_id"], units, target, out, work)
+    return Job(config, str(device), precision, model_dir, identity["model_id"], units, target, out, work)
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -378,10 +367,11 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
 class Embedder:
     """Holds the loaded biLM and writes units. Create one per worker process."""
 
-    def __init__(self, config: EmbedConfig, model_dir: Path, model_id: str, show_kernels: bool = False) -> None:
-        self.config, self.model_id, self.show_kernels = config, model_id, show_kernels
-        device = pick_device(config.device)
-        self.bilm = BiLM.from_pretrained(str(model_dir), device=device, precision=config.precision)
+    def __init__(self, job: Job, show_kernels: bool = False) -> None:
+        config = job.config
+        self.config, self.model_id, self.show_kernels = config, job.model_id, show_kernels
+        device = torch.device(job.device)
+        self.bilm = BiLM.from_pretrained(str(job.model_dir), device=device, precision=job.precision)
         if show_kernels:
             log.info("%s; oneDNN's log of the first batch follows", self.bilm.kernels)
         n = self.bilm.num_layers
@@ -393,7 +383,8 @@ class Embedder:
     def embed_unit(self, unit: Unit, out: Path) -> UnitResult:
         target = out / unit.name
         if target.exists():
-            return UnitResult(unit.name, pq.ParquetFile(target).metadata.num_rows, 0, 0.0, skipped=True)
+            rows = pq.ParquetFile(target).metadata.num_rows
+            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), _threads())
         started = time.perf_counter()
         group = pq.ParquetFile(unit.shard).read_row_group(
             unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"]
@@ -414,7 +405,8 @@ class Embedder:
                 for table in self._tables(group, sentences):
                     writer.write_table(table)
                     rows += table.num_rows
-        return UnitResult(unit.name, rows, sum(len(s) for s in sentences), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return UnitResult(unit.name, rows, sum(len(s) for s in sentences), seconds, False, os.getpid(), _threads())
 
     def _batches(self, sentences: list[list[str]]) -> list[list[int]]:
         lengths = [len(s) for s in sentences]
@@ -473,6 +465,17 @@ class Embedder:
         return pa.table(data, schema=self.schema)
 
 
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# what the summary offers to try on a table (shown, never run: the folder is part of the text on purpose)
+TRY_TOKENS = """CREATE VIEW emb AS SELECT * FROM read_parquet('{folder}/*.parquet');
+SELECT token, text, list_cosine_similarity({column}, (SELECT {column} FROM emb LIMIT 1)) AS similarity
+FROM emb ORDER BY similarity DESC LIMIT 5;"""
+TRY_SENTENCES = "SELECT sentence_id, text FROM read_parquet('{folder}/*.parquet') LIMIT 5;"
+
+
 @dataclass
 class EmbedSummary:
     units: int
@@ -482,6 +485,11 @@ class EmbedSummary:
     seconds: float
     out: Path
     unit_seconds: list[float]
+    processes: int = 1  # how many processes ran the units, and their torch threads
+    threads: list[int] = field(default_factory=list)
+    column: str = "elmo"
+    pooled: bool = False
+    index: IndexSummary | None = None  # the index built after the table, where the job asked for one
 
     def line(self) -> str:
         per_unit = (
@@ -494,6 +502,11 @@ class EmbedSummary:
             f"{self.tokens:,} tokens in {self.seconds:.1f} s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s"
             f"{per_unit}) -> {self.out}"
         )
+
+    def try_query(self) -> str:
+        """A DuckDB query to paste into the ``duckdb`` shell over this table."""
+        template = TRY_SENTENCES if self.pooled else TRY_TOKENS
+        return template.format(folder=Path(self.out).resolve(), column=self.column)
 
 
 def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
@@ -520,22 +533,50 @@ def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
         seconds,
         job.out,
         [r.seconds for r in done],
+        processes=len({r.pid for r in results}),
+        threads=sorted({r.threads for r in results}),
+        column="elmo" if job.config.layers == "mix" else "layer_1",
+        pooled=job.config.pool == "mean",
     )
 
 
-def embed(config: EmbedConfig, show_kernels: bool = False) -> EmbedSummary:
-    """Embed every unit not yet written, in this process (the Prefect flow maps units over workers instead).
+_LOADED: dict[tuple[str, str], Embedder] = {}  # the model a process has loaded, for the units it runs after the first
 
-    ``show_kernels``: log the CPU kernel level and bf16 support, and print oneDNN's log of the first batch.
-    """
-    started = time.perf_counter()
-    with job_lock(config):
-        job = prepare(config)
-        embedder = Embedder(config, job.model_dir, job.model_id, show_kernels)
-        results = []
-        with track("embed", sum(u.tokens for u in job.units), "tokens") as progress:
-            for unit in job.units:
-                result = embedder.embed_unit(unit, job.target)
-                results.append(result)
-                progress.advance(unit.tokens, f"{len(results)}/{len(job.units)} units")
-        return finish(job, results, time.perf_counter() - started)
+
+class EmbedStage:
+    """Embedding as a stage (``elmo_core.stage``): claim the folder, plan the units, embed each, finish the table.
+    A process loads the model with its first unit and keeps it for the job's next ones."""
+
+    name, counts = "embed", "tokens"
+
+    def __init__(self, show_kernels: bool = False) -> None:
+        self.show_kernels = show_kernels  # log the kernels, and oneDNN's log of the first batch
+
+    def claim(self, config: EmbedConfig) -> FolderLock:
+        return job_lock(config)
+
+    def plan(self, config: EmbedConfig) -> Job:
+        return prepare(config)
+
+    def run_unit(self, job: Job, unit: Unit, report: Callable[[int], None] | None = None) -> UnitResult:
+        key = (job.model_id, job.config.model_dump_json() + job.precision)
+        if key not in _LOADED:
+            share = cpu.apply_thread_share()  # a worker the project started: its share of the cores
+            if share:
+                log.info("%s", share)
+            _LOADED.clear()
+            _LOADED[key] = Embedder(job, self.show_kernels)
+        return _LOADED[key].embed_unit(unit, job.target)
+
+    def finish(self, job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
+        return finish(job, results, seconds)
+
+
+def embed(config: EmbedConfig, show_kernels: bool = False, run: Callable[[Any, Any], Any] = run_local) -> EmbedSummary:
+    """An embedding job: the table, then (``index``) its nearest-neighbour index, each stage driven by ``run`` (this
+    process by default; the embed flow passes ``flows.common.run_stage``, which maps the units over Prefect tasks).
+    A rerun does only what is missing. ``show_kernels``: log what runs, and oneDNN's log of the first batch."""
+    table: EmbedSummary = run(EmbedStage(show_kernels), config)
+    if config.index:
+        table.index = run(IndexStage(), IndexConfig(table=config.out, wait=config.wait))
+    return table

@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from elmo_core.kernels import fused_gates
+from elmo_core.bilm.kernels import fused_gates
 
 # Below this many cells a step's gate loops run on one thread. Lower than inference's threshold: the forward loop
 # is bound by its exponentials, and at the main job's 2 x 32 x 256 cells two threads took it from 34 to 19 us.

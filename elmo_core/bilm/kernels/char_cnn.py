@@ -24,7 +24,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor, nn
 
-from elmo_core.kernels import fused_gates
+from elmo_core.bilm.kernels import fused_gates
 
 # Below this many (word, filter) pairs the backward runs on one thread.
 PARALLEL_PAIRS = 1 << 12

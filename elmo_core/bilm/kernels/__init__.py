@@ -16,6 +16,6 @@ Every kernel computes the reference's numbers: fp32 to float rounding (tests hol
 0.999 on real text (``tests/test_precision.py``).
 """
 
-from elmo_core.kernels.choice import Kernels, TrainingKernels, choose, choose_training
+from elmo_core.bilm.kernels.choice import Kernels, TrainingKernels, choose, choose_training
 
 __all__ = ["Kernels", "TrainingKernels", "choose", "choose_training"]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core.batches import LMBatcher
+from elmo_core.data.batches import LMBatcher
 
 KEYS = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
 _END = object()

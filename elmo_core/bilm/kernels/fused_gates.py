@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from elmo_core import cpu
-from elmo_core.lstm_math import reference_gates
+from elmo_core.bilm.lstm_math import reference_gates
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Two paths give the same rows and columns. With a fresh index beside the table (``elmo index``, ``ann.py``) a
 query looks the token up by binary search, takes the index's candidates and re-ranks them by exact cosine, and
 scans exactly only the parts the index does not cover yet; without one (or with ``exact=True``) DuckDB scans the
-table. Which path ran is said in one line (the ``elmo_core.query`` logger; ``last_path``).
+table. Which path ran is said in one line (the ``elmo_core.vectors.query`` logger; ``last_path``).
 
 All SQL is parameterized; the dataset is registered as the view ``embeddings`` (and the parts no index covers as
 ``unindexed``). Vectors are compared with ``list_cosine_similarity`` (Parquet fixed-size lists come back from
@@ -19,8 +19,8 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from elmo_core import ann
 from elmo_core.errors import ConfigError, InputError
+from elmo_core.vectors import ann
 
 log = logging.getLogger(__name__)
 

@@ -35,21 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from elmo_core import cpu
-from elmo_core.batches import LMBatcher
-from elmo_core.chars import model_ids
-from elmo_core.checkpoint import (
-    BestWeights,
-    Checkpoint,
-    RankState,
-    checkpoint_dir,
-    list_checkpoints,
-    load_checkpoint,
-    load_newest_valid,
-    write_checkpoint,
-)
+from elmo_core.bilm.model import BiLM, LstmState, init_bilm_tf, init_softmax
+from elmo_core.bilm.softmax import LogUniformSampler
+from elmo_core.data.batches import LMBatcher
+from elmo_core.data.prefetch import Prefetcher
+from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 from elmo_core.errors import (
     CheckpointError,
     ConfigError,
@@ -59,14 +52,22 @@ from elmo_core.errors import (
     TrainingStopped,
 )
 from elmo_core.fileio import FolderLock, write_text_atomic
-from elmo_core.model import BiLM, LstmState, init_bilm_tf, init_softmax
-from elmo_core.options import TrainConfig, validate
-from elmo_core.precision import autocast, choose_precision, pick_device
-from elmo_core.prefetch import Prefetcher, to_tensors
+from elmo_core.options import TrainConfig
+from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.ranks import Rank, this_process
-from elmo_core.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
-from elmo_core.tracking import (
+from elmo_core.train.checkpoint import (
+    BestWeights,
+    Checkpoint,
+    RankState,
+    checkpoint_dir,
+    load_newest_valid,
+    write_checkpoint,
+)
+from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows, train_token_counts
+from elmo_core.train.export import latest_checkpoint
+from elmo_core.train.objective import LMObjective
+from elmo_core.train.tracking import (
     MLflowTracker,
     NodeSystemMetrics,
     NullTracker,
@@ -74,16 +75,11 @@ from elmo_core.tracking import (
     check_reachable,
     resolve_model_dir,
 )
-from elmo_core.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 
 __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainingDivergedError",
-    "evaluate",
-    "evaluate_splits",
-    "export_checkpoint",
-    "latest_checkpoint",
     "train",
 ]
 
@@ -100,191 +96,6 @@ class TrainResult:
     model_uri: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     exported_step: int = 0  # the step whose weights were exported (``export: best`` may pick an earlier one)
-
-
-# ----- the model under training ---------------------------------------------------------------------
-
-
-class LMObjective(nn.Module):
-    """The biLM plus its training loss, one module so DDP can wrap it."""
-
-    def __init__(self, bilm: BiLM, dropout: float, sparse: bool) -> None:
-        super().__init__()
-        if bilm.softmax is None:
-            raise ConfigError("training needs a softmax: the model config must set n_tokens_vocab")
-        self.bilm, self.dropout, self.sparse = bilm, dropout, sparse
-
-    def hidden(self, chars_f: Tensor, chars_b: Tensor, state: LstmState | None) -> tuple[Tensor, Tensor, LstmState]:
-        """Raw char ids (B, T, C) of both streams ─► top-layer outputs (B, T, P) each, and the new state."""
-        out = self.bilm(model_ids(chars_f), state, backward_inputs=model_ids(chars_b), dropout=self.dropout)
-        top_f, top_b = out["activations"][-1].chunk(2, dim=-1)
-        if self.training and self.dropout > 0:
-            top_f = nn.functional.dropout(top_f, self.dropout)
-            top_b = nn.functional.dropout(top_b, self.dropout)
-        return top_f, top_b, out["state"]
-
-    def forward(
-        self,
-        chars_f: Tensor,
-        chars_b: Tensor,
-        targets_f: Tensor,
-        targets_b: Tensor,
-        state: LstmState | None,
-        sampled: Tensor,
-        num_tries: int,
-        sampler: LogUniformSampler,
-    ) -> tuple[Tensor, Tensor, Tensor, LstmState]:
-        top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
-        softmax = self.bilm.softmax
-        p = top_f.shape[-1]
-        loss_f, loss_b = (
-            sampled_softmax_loss(
-                top.reshape(-1, p),
-                targets.reshape(-1),
-                softmax.weight,
-                softmax.bias,
-                sampled,
-                num_tries,
-                sampler,
-                self.sparse,
-            )
-            for top, targets in ((top_f, targets_f), (top_b, targets_b))
-        )  # float32 losses: under autocast only the logits product is bf16
-        return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
-
-
-# ----- evaluation -------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(
-    bilm: BiLM,
-    token_id_dir: str | Path,
-    *,
-    batch_size: int = 64,
-    unroll_steps: int = 20,
-    max_batches: int | None = None,
-    unigram_counts: np.ndarray | None = None,
-) -> dict[str, float]:
-    """Heldout perplexity with the full softmax, state carried across windows (bilm-tf ``run_test``).
-
-    With the state carried, predictions do not depend on the window length, so windows of 20 give the numbers
-    bilm-tf's unroll-1 evaluation gives. Returns forward, backward and average perplexity (exp of the mean
-    loss) and, given train counts, the add-one unigram baseline on the same forward targets.
-    """
-    was_training = bilm.training
-    bilm.eval()
-    objective = LMObjective(bilm, 0.0, False)
-    device = bilm.device
-    files = sorted(Path(token_id_dir).glob("part-*.parquet"))
-    n_sentences = sum(_num_rows(f) for f in files)
-    if n_sentences == 0:
-        raise InputError(f"{token_id_dir}: no heldout sentences to evaluate on")
-    rows = max(1, min(batch_size, n_sentences // 4))
-    n_tokens = sum(_num_tokens(f) for f in files)
-    batcher = LMBatcher(token_id_dir, rows, unroll_steps, shuffle=False, loop=False)
-    total_f = total_b = unigram = 0.0
-    tokens = batches = 0
-    state = None
-    log_p = None
-    if unigram_counts is not None:
-        log_p = np.log((unigram_counts + 1.0) / (unigram_counts.sum() + len(unigram_counts)))
-    expected = n_tokens // (rows * unroll_steps)
-    with track("evaluate", min(expected, max_batches or expected) or None, "batches") as progress:
-        for batch in batcher:
-            loss_f, loss_b, state = _full_softmax_losses(objective, batch, state, device)
-            total_f, total_b = total_f + loss_f, total_b + loss_b
-            if log_p is not None:
-                unigram += float(-log_p[batch["next_token_id"]].mean())
-            batches += 1
-            tokens += batch["next_token_id"].size
-            progress.update(batches, f"perplexity {math.exp(0.5 * (total_f + total_b) / batches):.1f}")
-            if max_batches and batches >= max_batches:
-                break
-    bilm.train(was_training)
-    if batches == 0:
-        raise InputError(f"{token_id_dir}: too little heldout text for one {rows}x{unroll_steps} window")
-    result = {
-        "perplexity_forward": math.exp(total_f / batches),
-        "perplexity_backward": math.exp(total_b / batches),
-        "perplexity": math.exp(0.5 * (total_f + total_b) / batches),
-        "eval_tokens": float(tokens),
-    }
-    if log_p is not None:
-        result["perplexity_unigram"] = math.exp(unigram / batches)
-    return result
-
-
-def _full_softmax_losses(
-    objective: LMObjective, batch: dict[str, np.ndarray], state: LstmState | None, device: torch.device
-) -> tuple[float, float, LstmState]:
-    """One window's mean forward and backward losses under the full softmax, and the state after it."""
-    tensors = to_tensors(batch, device)  # the same conversion as the training batches'
-    top_f, top_b, state = objective.hidden(tensors["tokens_characters"], tensors["tokens_characters_reverse"], state)
-    softmax = objective.bilm.softmax
-    losses = [
-        float(full_softmax_loss(top.flatten(0, 1), tensors[key].reshape(-1), softmax.weight, softmax.bias))
-        for top, key in ((top_f, "next_token_id"), (top_b, "next_token_id_reverse"))
-    ]
-    return losses[0], losses[1], state
-
-
-def evaluate_splits(
-    bilm: BiLM, data: str | Path, splits: tuple[str, ...] = ("heldout", "test"), batch_size: int = 64
-) -> dict[str, dict[str, float]]:
-    """Full-softmax perplexity (per direction, with the add-one unigram baseline of the train counts) on each of
-    ``splits`` that the vocab folder ``data`` holds token ids of; a split without sentences is left out."""
-    data = Path(data)
-    counts, _ = train_token_counts(data, bilm.config.n_tokens_vocab)
-    results = {}
-    for split in splits:
-        folder = data / "token_ids" / split
-        if folder.is_dir() and any(_num_rows(f) for f in folder.glob("part-*.parquet")):
-            results[split] = evaluate(bilm, folder, batch_size=batch_size, unigram_counts=counts)
-    return results
-
-
-def describe_perplexity(result: dict[str, float], split: str = "heldout") -> str:
-    if not result:
-        return f"no {split} split to evaluate"
-    text = (
-        f"{split} perplexity {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, "
-        f"backward {result['perplexity_backward']:.2f}"
-    )
-    if "perplexity_unigram" in result:
-        text += f"; unigram baseline {result['perplexity_unigram']:.2f}"
-    return text + ")"
-
-
-def _num_rows(path: Path) -> int:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
-
-
-def _num_tokens(path: Path) -> int:
-    """Tokens plus one boundary per sentence: the positions a pass over the file predicts."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    ids = pq.read_table(path, columns=["ids"]).column("ids")
-    return int(pc.sum(pc.list_value_length(ids)).as_py() or 0) + len(ids)
-
-
-def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
-    """Counts of every vocab id as a forward target in the train split (</S> once per sentence), and tokens."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    counts = np.zeros(n_vocab, dtype=np.float64)
-    tokens = 0
-    for path in sorted((data / "token_ids" / "train").glob("part-*.parquet")):
-        ids = pq.read_table(path, columns=["ids"]).column("ids").combine_chunks()
-        flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
-        counts += np.bincount(flat, minlength=n_vocab)[:n_vocab]
-        counts[1] += len(ids)
-        tokens += len(flat)
-    return counts, tokens
 
 
 # ----- distributed ------------------------------------------------------------------------------------
@@ -405,7 +216,7 @@ class Run:
     device: torch.device
     ddp: Rank
     precision: str
-    precision_reason: str  # why (``precision.choose_precision``): logged and kept as an MLflow param
+    precision_reason: str  # why (``precision.resolve_precision``): logged and kept as an MLflow param
     vocab: list[str]
     unigram_counts: np.ndarray
     bilm: BiLM
@@ -477,10 +288,10 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     if ddp.world > 1:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
-    precision, why = choose_precision(config.precision, device)
+    precision = resolve_precision(config.precision, device)  # decided once, for the run
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/kernels)
     if ddp.main:
-        log.info("precision %s (%s)", precision, why)
+        log.info("precision %s (%s)", precision, precision.why)
         log.info("%s", kernels)
     run = Run(
         config=config,
@@ -489,7 +300,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         device=device,
         ddp=ddp,
         precision=precision,
-        precision_reason=why,
+        precision_reason=precision.why,
         vocab=vocab,
         unigram_counts=counts,
         bilm=bilm,
@@ -636,38 +447,6 @@ def restore(run: Run, checkpoint: Checkpoint) -> None:
     run.tracker.run_id = checkpoint.run_id or None
 
 
-def latest_checkpoint(out: str | Path) -> Path | None:
-    """The newest checkpoint file of a run folder (not verified; see ``checkpoint.load_newest_valid``)."""
-    found = list_checkpoints(out)
-    return found[-1] if found else None
-
-
-def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
-    """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
-    run itself exports) ─► a bilm-tf/AllenNLP model directory.
-
-    Returns (step, the file used)."""
-    source = Path(checkpoint_or_run)
-    if source.is_dir():
-        found = load_newest_valid(source)
-        if found is None:
-            raise CheckpointError(f"{source}: no checkpoint in {checkpoint_dir(source)}")
-        path, payload = found
-    else:
-        path, payload = source, load_checkpoint(source)
-    checkpoint = Checkpoint.from_payload(payload)
-    config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
-    step, weights = checkpoint.step, checkpoint.model
-    best = BestWeights.on_disk(source, checkpoint.step) if source.is_dir() and config.export == "best" else None
-    if best is not None:
-        path, step, weights = best[0], best[1]["step"], best[1]["model"]
-    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
-    bilm = BiLM(config.architecture(weights["softmax.weight"].shape[0]), vocab=vocab)
-    bilm.load_state_dict(weights)
-    bilm.save_pretrained(str(out))
-    return step, path
-
-
 # ----- one step ---------------------------------------------------------------------------------------
 
 
@@ -738,7 +517,7 @@ def log_metrics(run: Run, record: dict[str, float], tokens_per_s: float) -> None
 def evaluate_heldout(run: Run) -> dict[str, float]:
     """Heldout perplexity (rank 0), logged as ``heldout_*`` metrics; {} without a heldout split."""
     heldout = run.data / "token_ids" / "heldout"
-    if not run.ddp.main or not heldout.exists() or not any(_num_rows(f) for f in heldout.glob("part-*.parquet")):
+    if not run.ddp.main or not heldout.exists() or not any(num_rows(f) for f in heldout.glob("part-*.parquet")):
         return {}
     config = run.config
     result = evaluate(

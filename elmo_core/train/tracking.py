@@ -20,7 +20,7 @@ from elmo_core.errors import TrackingError
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACKING_URI = f"sqlite:///{PROJECT_ROOT / 'data' / 'mlflow.db'}"
 MODEL_ARTIFACT = "model"  # artifact path of the logged model; the bilm-tf files sit in its artifacts/elmo
 

@@ -1,0 +1,12 @@
+"""The biLM itself: its weights on disk, the network, the kernels that run it, and running it over sentences.
+
+    weights     bilm-tf / AllenNLP ``weights.hdf5`` ⇄ state dict (given a config; never builds a model)
+    inference   running a biLM over many sentences: batches, the token cache, the stateful carry, the one loop
+    lstm_math   TensorFlow's LSTMCell arithmetic, once: the reference the model runs and the kernels match
+    kernels/    the CPU's speed kernels, of inference and of training, and the one place that chooses them
+    packing     where each token of a batch sits in packed, time-major LSTM data, and back to a layout
+    model       char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix
+    softmax     TF's sampled softmax (log-uniform sampler) and the full softmax
+
+Nothing here reads DuckDB, pyarrow, Prefect or MLflow: ``from elmo_core import BiLM`` loads torch and this package.
+"""

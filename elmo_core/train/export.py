@@ -1,0 +1,52 @@
+"""A training run ─► a bilm-tf/AllenNLP model directory (options.json, weights.hdf5 with its softmax, vocab.txt):
+its newest valid checkpoint, or the best weights where it trained with ``export: best``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from elmo_core.bilm.model import BiLM
+from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
+from elmo_core.errors import CheckpointError
+from elmo_core.options import TrainConfig, validate
+from elmo_core.train.checkpoint import (
+    BestWeights,
+    Checkpoint,
+    checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    load_newest_valid,
+)
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    """The newest checkpoint file of a run folder (not verified; see ``checkpoint.load_newest_valid``)."""
+    found = list_checkpoints(out)
+    return found[-1] if found else None
+
+
+def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
+    """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
+    run itself exports) ─► a bilm-tf/AllenNLP model directory.
+
+    Returns (step, the file used)."""
+    source = Path(checkpoint_or_run)
+    if source.is_dir():
+        found = load_newest_valid(source)
+        if found is None:
+            raise CheckpointError(f"{source}: no checkpoint in {checkpoint_dir(source)}")
+        path, payload = found
+    else:
+        path, payload = source, load_checkpoint(source)
+    checkpoint = Checkpoint.from_payload(payload)
+    config = validate(TrainConfig, json.loads(checkpoint.config), source=str(path))
+    step, weights = checkpoint.step, checkpoint.model
+    best = BestWeights.on_disk(source, checkpoint.step) if source.is_dir() and config.export == "best" else None
+    if best is not None:
+        path, step, weights = best[0], best[1]["step"], best[1]["model"]
+    vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
+    bilm = BiLM(config.architecture(weights["softmax.weight"].shape[0]), vocab=vocab)
+    bilm.load_state_dict(weights)
+    bilm.save_pretrained(str(out))
+    return step, path
