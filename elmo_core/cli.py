@@ -451,7 +451,9 @@ COMMANDS: dict[str, Command] = {
         help="train or fine-tune the biLM",
         description=(
             "Train the biLM on the token ids written by `elmo vocab`, tracked in MLflow, checkpointed, and exported to "
-            "OUT/model. Multi-GPU / multi-node: torchrun --nproc_per_node N -m elmo_core.cli train ... "
+            "OUT/model. Several GPUs or processes: --nproc-per-node N (or auto: one rank per visible GPU) starts "
+            "PyTorch's launcher itself; several machines: the same command on each with --nnodes, --node-rank and "
+            "--rdzv-endpoint. "
             "Example: elmo train --config train.yaml  or  elmo train --data data/vocab --out data/train --preset small"
         ),
     ),

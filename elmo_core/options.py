@@ -96,6 +96,9 @@ def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
 # ----- ingest ------------------------------------------------------------------------------------------
 
 
+# the tracking store's default, as train.tracking.resolve_tracking_uri applies it
+TRACKING_URI_HELP = "MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///<work folder>/mlflow.db (data/)"
+
 SPLITS = ("train", "heldout", "test")  # every split a dataset may hold
 SourceSplit = Literal["auto", "train", "heldout", "test"]
 Layout = Literal["auto", "none", "1b-word", "flair"]
@@ -275,9 +278,7 @@ class TrainConfig(TrainOptions):
     data: str = Field(description="folder written by `elmo vocab` (vocab.txt, token_ids/train, token_ids/heldout)")
     out: str = Field(description="run folder: checkpoints/, model/ (the export), metrics.jsonl")
     init_from: str | None = Field(None, description="fine-tune: a model directory, runs:/ or models:/ URI")
-    tracking_uri: str | None = Field(
-        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
-    )
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
 
 
 # The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf, and the
@@ -477,9 +478,7 @@ class WsdConfig(WsdOptions):
         None, description="sense-annotated JSONL/TSV, or a WordNet 3.0 folder (default /usr/share/wordnet)"
     )
     out: str = Field(description="folder for results.json, the chart and the examples used")
-    tracking_uri: str | None = Field(
-        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
-    )
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
 
 
 class TagConfig(TagOptions):
@@ -488,6 +487,4 @@ class TagConfig(TagOptions):
     dev: str = Field(description="tagged sentences to choose the epoch on and report")
     test: str | None = Field(None, description="tagged sentences to report on as well")
     out: str = Field(description="folder for results.json and the chart")
-    tracking_uri: str | None = Field(
-        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///data/mlflow.db"
-    )
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)

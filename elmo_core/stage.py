@@ -18,14 +18,22 @@ deployment of a stage write the same table.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
 import multiprocessing
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from elmo_core import cpu
+from elmo_core.fileio import write_text_atomic
 from elmo_core.progress import track
+
+log = logging.getLogger(__name__)
 
 OptionsT = TypeVar("OptionsT", contravariant=True)
 PlanT = TypeVar("PlanT")
@@ -114,3 +122,46 @@ def _in_processes(stage: Stage, plan: Any, units: list[Any], workers: int) -> An
         futures = {pool.submit(_run_in_worker, stage, plan, unit): unit for unit in units}
         for future in as_completed(futures):
             yield futures[future], future.result()
+
+
+# ----- a stage's folder, made once per input: the main job's reruns skip what did not change -----------------
+
+STAMP_NAME = "_stage.json"  # in a stage's folder: the input fingerprint it was made from, and its result
+
+
+def run_once(
+    directory: Path, fingerprint: str, work: Callable[[], dict[str, Any]], fresh_start: bool = False
+) -> dict[str, Any]:
+    """The one way a stage of the main job skips work: its folder's ``_stage.json`` names the input fingerprint it
+    was made from. Done with the same fingerprint: skipped, its result returned. Otherwise the stamp says "started"
+    while the work runs (an interrupted stage with the same inputs continues: training resumes from its checkpoints)
+    and "done" with the result after. ``fresh_start``: work of other inputs in the folder is removed first
+    (checkpoints of another training configuration)."""
+    path = directory / STAMP_NAME
+    stamp = json.loads(path.read_text()) if path.exists() else None
+    if stamp and stamp["fingerprint"] == fingerprint and stamp.get("status", "done") == "done":
+        log.info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
+        return stamp["result"]
+    if fresh_start and stamp and stamp["fingerprint"] != fingerprint and directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"fingerprint": fingerprint, "status": "started"}, indent=2) + "\n")
+    result = work()
+    done = {"fingerprint": fingerprint, "status": "done", "result": result}
+    write_text_atomic(path, json.dumps(done, indent=2, default=str) + "\n")
+    return result
+
+
+def fingerprint_files(paths: Iterable[Path], extra: Any = None) -> str:
+    """An input fingerprint from files' names, sizes and modification times (cheap, no reading) plus parameters."""
+    digest = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
+    for path in sorted(Path(p) for p in paths):
+        if path.is_dir():
+            for child in sorted(path.rglob("*")):
+                if child.is_file() and not child.name.endswith(".tmp"):
+                    stat = child.stat()
+                    digest.update(f"{child}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        elif path.exists():
+            stat = path.stat()
+            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()

@@ -2,12 +2,10 @@
 one-line failures, and input fingerprints."""
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -167,21 +165,6 @@ def run_stage(runner: Stage, options: Any) -> Any:
         return finish_stage.with_options(name=f"finish-{runner.name}")(
             runner, plan, results, time.perf_counter() - started
         )
-
-
-def fingerprint_files(paths: Iterable[Path], extra: Any = None) -> str:
-    """A cache key from files' names, sizes and modification times (cheap, no reading) plus parameters."""
-    digest = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
-    for path in sorted(Path(p) for p in paths):
-        if path.is_dir():
-            for child in sorted(path.rglob("*")):
-                if child.is_file() and not child.name.endswith(".tmp"):
-                    stat = child.stat()
-                    digest.update(f"{child}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        elif path.exists():
-            stat = path.stat()
-            digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
 
 
 def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> str | None:

@@ -9,10 +9,6 @@ defaults. A stage writes ``_stage.json`` (its input fingerprint, whether it fini
 a rerun with the same inputs skips the finished work, and nothing else decides what is skipped.
 """
 
-import json
-import os
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +20,10 @@ import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.bilm.weights import OPTIONS_NAME, WEIGHTS_NAME
 from elmo_core.data.vocab import build_vocab
 from elmo_core.errors import ConfigError, InputError
-from elmo_core.fileio import write_text_atomic
-from elmo_core.ingest import dataset_options, find_sources, ingest, option_changes
+from elmo_core.ingest import find_sources, ingest
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
+    TRACKING_URI_HELP,
     EmbedConfig,
     EmbedOptions,
     IngestConfig,
@@ -38,12 +34,13 @@ from elmo_core.options import (
     VocabConfig,
     VocabOptions,
 )
+from elmo_core.stage import fingerprint_files, run_once
 from elmo_core.text.corpus import write_default_corpus
 from elmo_core.train.evaluate import describe_perplexity, evaluate_export
 from elmo_core.train.export import export_checkpoint
 from elmo_core.train.launch import launch
-from elmo_core.train.tracking import MLflowTracker
-from flows.common import PROJECT_ROOT, RETRIED, fingerprint_files, mlflow_run_link, run_main, stage
+from elmo_core.train.tracking import MLflowTracker, resolve_tracking_uri
+from flows.common import PROJECT_ROOT, RETRIED, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
 from flows.summary import print_summary
 
@@ -69,9 +66,7 @@ class PipelineParams(BaseModel):
     probes: str | None = Field(
         "data/probes/apple.txt", description="sentences to embed at the end, into <workdir>/probe_vectors"
     )
-    tracking_uri: str | None = Field(
-        None, description="MLflow store; default $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db"
-    )
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
     ingest: IngestOptions = Field(MAIN_JOB_INGEST, description="ingest options (over MAIN_JOB_INGEST)")
     vocab: VocabOptions = Field(MAIN_JOB_VOCAB, description="vocab options (over MAIN_JOB_VOCAB)")
     train: TrainOptions = Field(
@@ -102,41 +97,6 @@ def _absolute_source(source: str | Source) -> str | Source:
     return source.model_copy(update={"path": str(_absolute(source.path))})
 
 
-# ----- stage bookkeeping: one stamp per stage folder -------------------------------------------------
-
-
-def _stamp(directory: Path) -> dict[str, Any] | None:
-    path = directory / "_stage.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _run_stage(
-    directory: Path, fingerprint: str, work: Callable[[], dict[str, Any]], fresh_start: bool = False
-) -> dict[str, Any]:
-    """The one way a stage skips work: its folder's ``_stage.json`` names the input fingerprint it was made from.
-
-    Done with the same fingerprint: skipped, its result returned. Otherwise the stamp says "started" while the work
-    runs (an interrupted stage with the same inputs continues: training resumes from its checkpoints) and "done"
-    with the result after. ``fresh_start``: work of other inputs in the folder is removed first (checkpoints of
-    another training configuration).
-    """
-    stamp = _stamp(directory)
-    if stamp and stamp["fingerprint"] == fingerprint and stamp.get("status", "done") == "done":
-        get_run_logger().info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
-        return stamp["result"]
-    if fresh_start and stamp and stamp["fingerprint"] != fingerprint and directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_stamp(directory, {"fingerprint": fingerprint, "status": "started"})
-    result = work()
-    _write_stamp(directory, {"fingerprint": fingerprint, "status": "done", "result": result})
-    return result
-
-
-def _write_stamp(directory: Path, stamp: dict[str, Any]) -> None:
-    write_text_atomic(directory / "_stage.json", json.dumps(stamp, indent=2, default=str) + "\n")
-
-
 # ----- tasks: one call into elmo_core each -----------------------------------------------------------------
 
 
@@ -151,11 +111,7 @@ def default_corpus(workdir: str) -> list[str]:
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        stored = dataset_options(out)
-        if stored is not None and option_changes(stored, config):
-            get_run_logger().info("%s: ingest options changed; the dataset is made afresh", out)
-            shutil.rmtree(out)
-        summary = ingest(config)
+        summary = ingest(config, afresh_on_new_options=True)
         if summary.nothing_ingested:
             raise InputError("no input could be ingested: " + "; ".join(summary.errors))
         return {
@@ -168,7 +124,7 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
             "warnings": summary.warnings,
         }
 
-    result = _run_stage(Path(out), fingerprint, work)
+    result = run_once(Path(out), fingerprint, work)
     create_markdown_artifact(
         key="ingest-summary", markdown=f"## Ingest\n\n{result['line']}\n", description="Ingest counts"
     )
@@ -178,7 +134,7 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
 @task(**RETRIED)
 @stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
-    result = _run_stage(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
+    result = run_once(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
     create_table_artifact(
         key="corpus-stats",
         table=[{"statistic": k, "value": v} for k, v in result.items()],
@@ -204,7 +160,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
             "model_uri": result.model_uri,
         }
 
-    result = _run_stage(Path(out), fingerprint, work, fresh_start=True)  # another configuration starts afresh
+    result = run_once(Path(out), fingerprint, work, fresh_start=True)  # another configuration starts afresh
     link = mlflow_run_link(config.tracking_uri, result["run_id"]) if config.tracking == "mlflow" else None
     if link:
         create_markdown_artifact(
@@ -224,7 +180,7 @@ def export_stage(run_dir: str, out: str, fingerprint: str) -> str:
         get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
         return {"model_dir": out, "step": step, "checkpoint": str(checkpoint)}
 
-    return _run_stage(Path(out), fingerprint, work)["model_dir"]
+    return run_once(Path(out), fingerprint, work)["model_dir"]
 
 
 @task
@@ -245,7 +201,7 @@ def evaluate_stage(
         finally:
             tracker.close()
 
-    results = _run_stage(Path(out), fingerprint, work)
+    results = run_once(Path(out), fingerprint, work)
     table = [
         {
             "split": split,
@@ -274,7 +230,7 @@ def evaluate_stage(
 def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     """Train an ELMo biLM on a corpus and embed the probe sentences with it."""
     workdir = _absolute(params.workdir)
-    tracking_uri = params.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workdir / 'mlflow.db'}"
+    tracking_uri = resolve_tracking_uri(params.tracking_uri, home=workdir)
     sources = [_absolute_source(s) for s in params.sources] if params.sources else default_corpus(str(workdir))
 
     ingest_dir, vocab_dir, train_dir, export_dir = (workdir / name for name in ("ingest", "vocab", "train", "export"))

@@ -46,7 +46,8 @@ def print_summary(s: dict[str, Any]) -> None:
         lines += [
             f"  vectors     {s['embeddings']}  (the probe sentences)",
             f"  query them  {elmo} query {s['embeddings']} --token apples "
-            "--sentence 'I like to eat apples with a little honey .'",
+            "--sentence 'I like to eat apples with a little honey .' --like 'apple%'",
+            "              (the fruit's other uses come first, then Apple the company's)",
             "  or in the duckdb shell:",
             *("    " + q for q in s["query"].splitlines()),
         ]

@@ -348,17 +348,17 @@ def test_a_checkpoint_of_parallel_per_rank_lists_reads_as_one_record_per_rank(fi
 
 
 def test_nan_loss_stops_with_a_clear_error_and_keeps_the_checkpoint(fixture_data, tmp_path, monkeypatch):
-    import elmo_core.train.loop as train_module
+    import elmo_core.train.objective as objective_module
 
     calls = {"n": 0}
-    real = train_module.sampled_softmax_loss
+    real = objective_module.sampled_softmax_loss
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
         loss = real(*args, **kwargs)
         return loss * float("nan") if calls["n"] > 8 else loss  # steps 1-4 fine (2 calls a step), then NaN
 
-    monkeypatch.setattr(train_module, "sampled_softmax_loss", poisoned)
+    monkeypatch.setattr(objective_module, "sampled_softmax_loss", poisoned)
     config = TrainConfig(
         data=str(fixture_data), out=str(tmp_path / "run"), max_steps=10, checkpoint_every=2, **FIXTURE_OPTIONS
     )

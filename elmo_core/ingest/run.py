@@ -4,6 +4,7 @@ else sharded (``shards``) and committed (``manifest``); a file that fails is cou
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,9 @@ from elmo_core.ingest.manifest import (
     FileEntry,
     check_options,
     commit_file,
+    dataset_options,
     open_manifest,
+    option_changes,
     record_failure,
 )
 from elmo_core.ingest.readers import Counts, FileStats, content_sha256
@@ -100,8 +103,11 @@ class _Ingest:
     done_bytes: int = 0  # of the inputs before the current one
 
 
-def ingest(config: IngestConfig) -> IngestSummary:
-    """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts."""
+def ingest(config: IngestConfig, afresh_on_new_options: bool = False) -> IngestSummary:
+    """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts.
+
+    A dataset read with other tokenizer or split options is refused, unless ``afresh_on_new_options`` (the main
+    job's dataset, which follows its options): then it is removed and made anew, and the log says so."""
     started = time.perf_counter()
     out = Path(config.out)
     if out.is_file():
@@ -110,6 +116,14 @@ def ingest(config: IngestConfig) -> IngestSummary:
     if config.split_field and config.split != "auto":
         raise ConfigError(f"--split {config.split} and --split-field {config.split_field}: give one of them")
     inputs = find_sources(config.sources, config.split, config.layout)
+    stored = dataset_options(out) if afresh_on_new_options else None
+    if stored is not None and option_changes(stored, config):
+        log.info(
+            "%s: ingest options changed (%s); the dataset is made afresh",
+            out,
+            "; ".join(option_changes(stored, config)),
+        )
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     with FolderLock(out / LOCK_NAME, out, wait=config.wait):  # one ingest at a time: dedup sees every file
         summary = _ingest_all(config, out, inputs)

@@ -21,16 +21,16 @@ from elmo_core.errors import TrackingError
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TRACKING_URI = f"sqlite:///{PROJECT_ROOT / 'data' / 'mlflow.db'}"
 MODEL_ARTIFACT = "model"  # artifact path of the logged model; the bilm-tf files sit in its artifacts/elmo
 
 
 REACH_TIMEOUT_S = 5.0  # how long a tracking server may take to answer before a run is refused
 
 
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """The store a run logs to: ``uri``, else ``$MLFLOW_TRACKING_URI``, else the project's SQLite file."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+def resolve_tracking_uri(uri: str | None = None, home: Path | None = None) -> str:
+    """The one rule for the store a run logs to (``TRACKING_URI_HELP`` says it to users): ``uri``, else
+    ``$MLFLOW_TRACKING_URI``, else ``mlflow.db`` in ``home`` (the main job's work folder), by default ``data/``."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(home or PROJECT_ROOT / 'data') / 'mlflow.db'}"
 
 
 def check_reachable(uri: str | None = None) -> None:
@@ -292,8 +292,7 @@ def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        mlflow.set_tracking_uri(DEFAULT_TRACKING_URI)
+    mlflow.set_tracking_uri(resolve_tracking_uri())
     if uri.startswith(("models:/", "runs:/")):
         check_reachable(mlflow.get_tracking_uri())  # a store that is away: seconds, not MLflow's retries
     try:

@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from elmo_core.precision import int8_products
+from elmo_core import precision
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,12 @@ def _quantized_engine() -> str:
 
 def available() -> bool:
     """Whether this torch runs dynamic int8 products here (probed once, ``precision.int8_products``)."""
-    return int8_products()[0]
+    return precision.int8_products()[0]
 
 
 def describe() -> str:
     """What runs the int8 products, or why nothing can (``elmo info``, the kernels' log line)."""
-    works, why = int8_products()
+    works, why = precision.int8_products()
     return why if works else f"no ({why})"
 
 
