@@ -1,5 +1,5 @@
 """``precision: int8`` against fp32 in the same run: PyTorch's dynamic quantization of the LSTM step's products
-(``elmo_core/kernels/int8.py``: int8 weights per output channel, activations quantized per call; fbgemm on AVX2 /
+(``elmo_core/bilm/kernels/int8.py``: int8 weights per output channel, activations quantized per call; fbgemm on AVX2 /
 AVX-512 VNNI) against today's fp32 kernels (oneDNN-packed products, C gates). Per-token cosine to fp32 on real text
 in every layer (the TF-trained fixture model), and tokens/s on the original shape.
 

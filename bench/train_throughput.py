@@ -17,8 +17,8 @@ Main job (``--main-job``): ``train.train_step`` with the main job's defaults aga
 on this code. ``--against REV``: the main job's training as a user runs it, this checkout against the code at git
 revision REV (each with its own defaults then), on the same data: one worker process per tree, stepping in
 alternating rounds. ``--training-kernel`` (instead of the precision table): whole training steps with the reference
-against the training kernels, one autograd node per LSTM step (``elmo_core/kernels/trained_step.py``) and then the
-char CNN's sparse backward too (``elmo_core/kernels/char_cnn.py``), same model and batches, alternating.
+against the training kernels, one autograd node per LSTM step (``elmo_core/bilm/kernels/trained_step.py``) and then the
+char CNN's sparse backward too (``elmo_core/bilm/kernels/char_cnn.py``), same model and batches, alternating.
 Quality: the main job's recipe (Python's pydoc topics, the mini model, CPU_TRAIN_OPTIONS) trained by
 ``elmo_core.train.loop.train`` for ``--quality-steps`` steps in each precision, same seed and data.
 """

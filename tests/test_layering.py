@@ -43,7 +43,8 @@ ROOMS = {
     "train": [
         *("checkpoint", "tracking", "objective", "evaluate", "export", "loop", "launch", "mlflow_model", "__init__"),
     ],
-    "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index is a part of an embedding job
+    "vectors": ["ann", "embed", "probe", "query", "__init__"],
+    "vectors.ann": ["files", "table", "build", "search", "__init__"],  # the index is a part of an embedding job
     "allennlp": ["keys", "modules", "commands", "__init__"],
 }
 

@@ -22,7 +22,7 @@ forget-gate +1 and is frozen). With clipping (every published model) the recurre
 ``_recurrence``; without it ``nn.LSTM`` itself runs (cuDNN on GPU).
 
 What runs a CPU inference step faster (weights prepared once, oneDNN packing, a C gate kernel) lives in
-``elmo_core/kernels/``: ``BiLM.prepare(precision)`` chooses it once and ``BiLM.kernels`` says what it chose.
+``elmo_core/bilm/kernels/``: ``BiLM.prepare(precision)`` chooses it once and ``BiLM.kernels`` says what it chose.
 Training and any call with gradients run the reference ``LstmCell`` below; ``BiLM.prepare_training()`` (the
 trainer's) lets each of its steps run as one autograd node with the gates in C on a CPU, and the char CNN's backward
 reach only each max's position (``BiLM.training_kernels``).

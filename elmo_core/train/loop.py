@@ -289,7 +289,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
     params = [p for p in bilm.parameters() if p.requires_grad]
     precision = resolve_precision(config.precision, device)  # decided once, for the run
-    kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/kernels)
+    kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
     if ddp.main:
         log.info("precision %s (%s)", precision, precision.why)
         log.info("%s", kernels)

@@ -6,7 +6,7 @@ dataset in pyarrow, pandas, Spark and DuckDB (``read_parquet('OUT/*.parquet')``,
     OUT/part-<shard>-<group>-<row>.parquet   one file per unit of work (about ``unit_tokens`` tokens)
     OUT/_job.json        what is embedded with what: model id, input (shards, rows), options, the units
     OUT/_manifest.json   rows, tokens and seconds per unit; written when every unit is done
-    OUT/_index/          the nearest-neighbour index, once the table is indexed (``vectors/ann.py``)
+    OUT/_index/          the nearest-neighbour index, once the table is indexed (``vectors/ann/``)
 
 Working files live beside OUT, never inside it, in ``.<OUT's name>.elmo/``: the tokenized copy of text input
 (Parquet that is not part of the table), a model downloaded from MLflow, and, under ``--overwrite``, the next

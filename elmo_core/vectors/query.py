@@ -1,6 +1,6 @@
 """Query embedding tables: nearest tokens-in-context and similar sentences, by cosine similarity.
 
-Two paths give the same rows and columns. With a fresh index beside the table (``elmo index``, ``ann.py``) a
+Two paths give the same rows and columns. With a fresh index beside the table (``elmo index``, ``vectors/ann/``) a
 query looks the token up by binary search, takes the index's candidates and re-ranks them by exact cosine, and
 scans exactly only the parts the index does not cover yet; without one (or with ``exact=True``) DuckDB scans the
 table. Which path ran is said in one line (the ``elmo_core.vectors.query`` logger; ``last_path``).

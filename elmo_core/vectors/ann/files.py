@@ -1,0 +1,137 @@
+"""What an index is on disk: its header, its shards and their files, and how it stands against the table now."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+INDEX_DIR, HEADER = "_index", "index.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PartFile:
+    """A part of the table as the index knows it: name and size say whether it is still the same file."""
+
+    name: str
+    bytes: int
+    rows: int = 0
+
+
+def index_dir(table: Path, column: str) -> Path:
+    return Path(table) / INDEX_DIR / column
+
+
+@dataclass
+class Header:
+    """What ``index.json`` says: a new build replaces an index whose header differs from the table's."""
+
+    column: str
+    key: str  # "token", or "sentence_id" for tables pooled per sentence
+    model_id: str | None
+    dim: int
+    dtype: str
+    nlist: int
+    nprobe: int
+    library: str
+    format: int = FORMAT
+
+    def differs(self, other: Header) -> str:
+        fields = ("column", "key", "model_id", "dim", "dtype", "format")
+        return ", ".join(
+            f"{f} {getattr(self, f)} → {getattr(other, f)}" for f in fields if getattr(self, f) != getattr(other, f)
+        )
+
+
+def read_header(folder: Path) -> Header | None:
+    path = folder / HEADER
+    return Header(**json.loads(path.read_text())) if path.exists() else None
+
+
+@dataclass
+class ShardRecord:
+    number: int
+    parts: list[PartFile]
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.number:05d}"
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"number": self.number, "parts": [asdict(p) for p in self.parts], "rows": self.rows}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ShardRecord:
+        return cls(record["number"], [PartFile(**p) for p in record["parts"]])
+
+    @property
+    def size(self) -> int:  # what a build's progress counts
+        return self.rows
+
+    def files(self, folder: Path) -> ShardFiles:
+        return ShardFiles(*(folder / f"{self.name}{suffix}" for suffix in ShardFiles.SUFFIXES))
+
+
+class ShardFiles(NamedTuple):
+    """A shard's files, in the order a build writes them (the record last: the shard counts once it is there)."""
+
+    vectors: Path  # the rows' vectors as the table holds them (.npy, memory-mapped for re-ranking)
+    meta: Path  # key, sentence_id, token_index, text per row (Arrow IPC)
+    order: Path  # positions sorted by (key, sentence_id, token_index)
+    keys: Path  # distinct keys with their range in ``order``
+    lists: Path  # the faiss IVF lists of 8-bit codes
+    record: Path  # the parts it covers (JSON)
+
+    SUFFIXES = (".vectors.npy", ".meta.arrow", ".order.npy", ".keys.arrow", ".faiss", ".json")
+
+
+def read_shards(folder: Path) -> list[ShardRecord]:
+    shards = []
+    for path in sorted(folder.glob("shard-*.json")):
+        shards.append(ShardRecord.from_record(json.loads(path.read_text())))
+    return shards
+
+
+@dataclass
+class Coverage:
+    """How an index stands against the table now, the one rule a build and a query both follow: a shard whose parts
+    are all unchanged or gone is valid (the rows of gone parts are left out); a shard with a part rewritten in place
+    is stale (its rows are scanned exactly, and a build replaces it); table parts no valid shard covers are
+    unindexed (scanned exactly, and a build indexes them)."""
+
+    shards: list[ShardRecord]  # valid
+    stale: list[ShardRecord]
+    gone: set[str]  # parts a valid shard covers that are no longer in the table
+    unindexed: list[str]
+
+    @classmethod
+    def of(cls, shards: list[ShardRecord], parts: dict[str, int]) -> Coverage:
+        valid, stale, gone = [], [], set()
+        for shard in shards:
+            if any(p.name in parts and parts[p.name] != p.bytes for p in shard.parts):
+                stale.append(shard)
+            else:
+                valid.append(shard)
+                gone |= {p.name for p in shard.parts if p.name not in parts}
+        covered = {p.name for s in valid for p in s.parts}
+        return cls(valid, stale, gone, sorted(set(parts) - covered))
+
+    def line(self, folder: Path) -> str:
+        parts = sum(len(s.parts) for s in self.shards) - len(self.gone)
+        line = f"index {folder} ({len(self.shards)} shards, {parts} parts)"
+        if self.unindexed:
+            line += f" + exact scan of {len(self.unindexed)} parts it does not cover yet"
+        if self.gone:
+            line += f"; {len(self.gone)} indexed parts are gone from the table and left out"
+        if self.unindexed or self.gone:
+            line += " (`elmo index` brings it up to date)"
+        return line
