@@ -37,7 +37,7 @@ from embed_throughput import describe_machine, make_sentences, real_sentences  #
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.allennlp import Elmo, ElmoEmbedder, batch_to_ids  # noqa: E402
-from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
+from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
 
 # isort: split

@@ -120,8 +120,9 @@ def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     from elmo_core.options import TrainConfig
-    from elmo_core.train.loop import evaluate_heldout, log_metrics, save, setup
+    from elmo_core.train.loop import evaluate_heldout, log_metrics, setup
     from elmo_core.train.loop import train_step as step
+    from elmo_core.train.run import save
 
     folder = out / "runs" / f"{corpus}-{recipe}"
     progress_file = folder / "points.json"

@@ -34,7 +34,7 @@ os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 whe
 from corpus_gen import peak_rss_mb_of, zipf_words  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
-from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
+from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
 from elmo_core.ingest import IngestConfig, ingest  # noqa: E402
 from elmo_core.vectors.embed import EmbedConfig, embed  # noqa: E402

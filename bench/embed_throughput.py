@@ -34,7 +34,7 @@ os.environ.setdefault("ELMO_ALLOW_EMULATED_BF16", "1")  # a bench times bf16 whe
 
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.bilm.inference import length_batches  # noqa: E402
-from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
+from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
 from elmo_core.precision import onednn_verbose  # noqa: E402
 

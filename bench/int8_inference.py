@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from elmo_core import BiLM, cpu  # noqa: E402
+from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.bilm.kernels import int8  # noqa: E402
-from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
 from elmo_core.text.corpus import _prose_paragraphs  # noqa: E402
 from elmo_core.text.tokenize import split_sentences, unicode_tokens  # noqa: E402

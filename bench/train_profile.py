@@ -97,7 +97,12 @@ class Parts:
         def lstm() -> torch.Tensor:
             with autocast(run.device, run.precision):
                 outputs, _ = bilm.lstm(
-                    leaf, ids, packing, state, make_cell=bilm._cell_of_call(None), dropout=run.config.dropout
+                    leaf,
+                    ids,
+                    packing,
+                    state,
+                    make_cell=bilm.runs.cell_of_call(None, bilm.device),
+                    dropout=run.config.dropout,
                 )  # the cell training runs (the C gates on a CPU)
             return outputs[-1]
 

@@ -47,7 +47,7 @@ from cpu_recipe import TODAY  # noqa: E402  (the main job's recipe before bench/
 from embed_throughput import describe_machine, matmul_roofline  # noqa: E402
 
 from elmo_core import BiLM  # noqa: E402
-from elmo_core.bilm.model import init_bilm_tf  # noqa: E402
+from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.bilm.softmax import LogUniformSampler  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
 from elmo_core.data.batches import LMBatcher  # noqa: E402

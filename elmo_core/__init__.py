@@ -48,7 +48,7 @@ from elmo_core import cpu
 cpu.limit_torch()  # before anything imports torch: ELMO_CPU_ISA=avx2 holds torch's own kernels to AVX2 too
 
 # loaded on first use (PEP 562), so that ``elmo --help`` and a bad flag answer without loading torch
-_EXPORTS = {"BiLM": "bilm.model", "ScalarMix": "bilm.model", "ModelConfig": "config", "batch_to_ids": "text.chars"}
+_EXPORTS = {"BiLM": "bilm.model", "ScalarMix": "bilm.scalar_mix", "ModelConfig": "config", "batch_to_ids": "text.chars"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -9,24 +9,21 @@ Every field of the model (``elmo_core.options``) is a flag with the field's desc
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
 import sys
-import time
 import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-import numpy as np
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 from elmo_core.config import load_config_file
-from elmo_core.errors import ConfigError, ElmoError, InputError
+from elmo_core.errors import ConfigError, ElmoError
 from elmo_core.options import (
     AllennlpElmoConfig,
     DemoConfig,
@@ -157,100 +154,34 @@ def _fixture_model() -> Path | None:
 
 
 def cmd_demo(config: DemoConfig) -> None:
-    import torch
-
     from elmo_core import BiLM
-    from elmo_core.bilm.model import init_bilm_tf
+    from elmo_core.bilm.initialization import random_model
     from elmo_core.config import tiny
+    from elmo_core.vectors.probe import polysemy_table
 
     model_dir = Path(config.model) if config.model else _fixture_model()
-    if model_dir is not None:
-        bilm = BiLM.from_pretrained(str(model_dir))
-        source = str(model_dir)
-    else:
-        torch.manual_seed(0)
-        fresh = BiLM(tiny())
-        init_bilm_tf(fresh)
-        out = PROJECT_ROOT / "data" / "models" / "random-tiny"
-        fresh.save_pretrained(str(out))
-        bilm = BiLM.from_pretrained(str(out))
-        source = f"{out} (random weights: no trained model given and no fixture model in this checkout)"
+    source = str(model_dir)
+    if model_dir is None:
+        model_dir = random_model(tiny(), PROJECT_ROOT / "data" / "models" / "random-tiny")
+        source = f"{model_dir} (random weights: no trained model given and no fixture model in this checkout)"
     log.info("model: %s", source)
-    sentences = [
-        line.split() for line in Path(config.input or PROBES).read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
-    start = time.perf_counter()
-    vectors = bilm.embed_sentences(sentences)
-    elapsed = time.perf_counter() - start
-    n_tokens = sum(len(s) for s in sentences)
-
-    # the polysemy probe: top-layer vectors of every "apple"/苹果 occurrence, compared pairwise
-    hits = [
-        (i, t)
-        for i, s in enumerate(sentences)
-        for t, tok in enumerate(s)
-        if tok.lower().startswith("apple") or tok == "苹果"
-    ]
+    text = Path(config.input or PROBES).read_text(encoding="utf-8")
+    sentences = [line.split() for line in text.splitlines() if line.strip()]
     print(f"model        {source}")
-    print(f"layers       {bilm.num_layers} x {bilm.output_dim}")
-    print(
-        f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s "
-        f"({n_tokens / elapsed:,.0f} tokens/s)"
-    )
-    if hits:
-        top = np.stack([vectors[i][-1, t] for i, t in hits])
-        top /= np.linalg.norm(top, axis=1, keepdims=True)
-        sims = top @ top.T
-        print("cosine similarity of the top layer between occurrences of apple / 苹果:")
-        labels = [f"s{i}:{sentences[i][t]}" for i, t in hits]
-        width = max(len(label) for label in labels)
-        print(" " * width + "  " + " ".join(f"{j:>5d}" for j in range(len(hits))))
-        for j, label in enumerate(labels):
-            print(f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in sims[j]))
+    print("\n".join(polysemy_table(BiLM.from_pretrained(str(model_dir)), sentences)))
 
 
 def cmd_info(config: InfoConfig) -> None:
     """This machine (the CPU, what torch dispatches to, the precisions and kernels it offers), then the model."""
-    import torch
+    from elmo_core.bilm import info
 
-    from elmo_core import cpu
-    from elmo_core.bilm.kernels import choice, fused_gates, int8, packed
-    from elmo_core.config import preset
-    from elmo_core.precision import resolve_precision
-
-    print(cpu.describe())
-    auto = resolve_precision("auto", "cpu")
-    offered = choice.offered_precisions("cpu")
-    refused = "" if "bf16" in offered else " (bf16 refused here: no bfloat16 instructions, so it would be emulated)"
-    print(f"precisions on the CPU: {', '.join(offered)}; auto is {auto} ({auto.why}){refused}")
-    for dtype in (torch.float32, torch.bfloat16):
-        works, why_not = packed.packing(dtype)
-        print(f"oneDNN packed products in {str(dtype).removeprefix('torch.')}: {'yes' if works else f'no ({why_not})'}")
-    print(f"int8 products (precision int8): {int8.describe()}")
-    print(f"C kernels (LSTM gates, char CNN backward): {fused_gates.describe()}")
+    print("\n".join(info.machine_report()))
     if config.model is None:
-        print(f"kernels of the original shape: {choice.choose(torch.device('cpu'), auto, preset('original').lstm)}")
+        print(f"kernels of the original shape: {info.original_shape_kernels()}")
         return
-
-    from elmo_core import BiLM
     from elmo_core.train.tracking import resolve_model_dir
 
-    bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)))
-    cfg = bilm.config
-    n_params = sum(
-        p.numel()
-        for n, p in bilm.named_parameters()
-        if not n.startswith("softmax")  # the forget +1 is a buffer
-    )
-    print(
-        f"{config.model}: {cfg.lstm.n_layers}x{cfg.lstm.dim}_{cfg.lstm.projection_dim}, "
-        f"{cfg.char_cnn.n_filters} filters, {cfg.char_cnn.n_highway} highway, skip={cfg.lstm.use_skip_connections}, "
-        f"clips={cfg.lstm.cell_clip}/{cfg.lstm.proj_clip}, "
-        f"{n_params:,} parameters (without softmax), softmax={cfg.n_tokens_vocab or 'none'}, "
-        f"vocab={len(bilm.vocab) if bilm.vocab else 'none'}"
-    )
-    for precision in offered:
-        print(f"kernels: {bilm.prepare(precision)}")
+    print("\n".join(info.model_report(resolve_model_dir(config.model), config.model)))
 
 
 def cmd_ingest(config: IngestConfig) -> None:
@@ -352,49 +283,21 @@ def cmd_query(config: QueryConfig) -> None:
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
 
-def cmd_probe(kind: str, config: Options) -> None:
+def cmd_probe(config: WsdConfig | TagConfig) -> None:
     from elmo_core.vectors import probe
 
-    results = getattr(probe, f"run_{kind}")(config)
+    results = probe.run_wsd(config) if isinstance(config, WsdConfig) else probe.run_tag(config)
     print(probe.results_table(results))
     print(
-        f"probe {results['kind']}: -> {Path(config.out) / 'results.json'}, chart.png"  # type: ignore[attr-defined]
+        f"probe {results['kind']}: -> {Path(config.out) / 'results.json'}, chart.png"
         + (f"; MLflow run {results['mlflow_run_id']}" if results.get("mlflow_run_id") else "")
     )
 
 
 def cmd_allennlp_elmo(config: AllennlpElmoConfig) -> None:
-    import torch
+    from elmo_core.allennlp.commands import run_elmo_command
 
-    from elmo_core.allennlp import DEFAULT_OPTIONS_FILE, DEFAULT_WEIGHT_FILE, ElmoEmbedder
-
-    embedder = ElmoEmbedder(
-        config.options_file or DEFAULT_OPTIONS_FILE,
-        config.weight_file or DEFAULT_WEIGHT_FILE,
-        config.cuda_device,
-        stateful=config.stateful,
-        precision=config.precision,
-    )
-    try:
-        source = open(config.input_file, encoding="utf-8")  # noqa: SIM115  (embed_file closes it, as AllenNLP's)
-    except FileNotFoundError:
-        raise InputError(f"{config.input_file}: no such file") from None
-    started = time.perf_counter()
-    with torch.no_grad():
-        embedder.embed_file(
-            source,
-            config.output_file,
-            config.output_format,
-            config.batch_size,
-            forget_sentences=config.forget_sentences,
-            use_sentence_keys=config.use_sentence_keys,
-        )
-    with open(config.input_file, encoding="utf-8") as f:
-        n = sum(1 for _ in f)
-    print(
-        f"allennlp-elmo: {n:,} sentences ({config.output_format}) in {time.perf_counter() - started:.1f} s "
-        f"-> {config.output_file}"
-    )
+    print(run_elmo_command(config))
 
 
 class Command(NamedTuple):
@@ -515,7 +418,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "probe wsd": Command(
         options=WsdConfig,
-        handler=functools.partial(cmd_probe, "wsd"),
+        handler=cmd_probe,
         positional=(),
         help="word-sense 1-NN per layer (WordNet's examples by default)",
         description=(
@@ -525,7 +428,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "probe tag": Command(
         options=TagConfig,
-        handler=functools.partial(cmd_probe, "tag"),
+        handler=cmd_probe,
         positional=(),
         help="a linear tagging probe per layer and over a learned scalar mix",
         description=(

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from elmo_core import BiLM, cpu
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import choice, fused_gates, packed
-from elmo_core.bilm.model import init_bilm_tf
 from elmo_core.config import preset
 from elmo_core.errors import ConfigError
 from tests.helpers import ROOT, run_elmo

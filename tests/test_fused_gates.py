@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from elmo_core import BiLM
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import fused_gates
-from elmo_core.bilm.model import init_bilm_tf
 from elmo_core.config import tiny
 from tests.helpers import assert_same_vectors, cpu_precisions
 

@@ -28,7 +28,7 @@ def test_cuda_bf16_autocast_is_close(allennlp_dir):
 
 def test_cudnn_fused_path_matches_general_on_cuda():
     from elmo_core import batch_to_ids
-    from elmo_core.bilm.model import init_bilm_tf
+    from elmo_core.bilm.initialization import init_bilm_tf
     from elmo_core.config import tiny
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.bilm.inference import StateCarry
-from elmo_core.bilm.model import init_bilm_tf
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.packing import Packing
 from elmo_core.config import tiny
 from tests.helpers import assert_same_vectors, cpu_precisions, needs_native_bf16

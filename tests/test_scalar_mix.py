@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from elmo_core import ScalarMix
-from elmo_core.bilm.model import fixed_mix
+from elmo_core.bilm.scalar_mix import fixed_mix
 from elmo_core.errors import ConfigurationError, InputError
 
 

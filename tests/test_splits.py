@@ -162,7 +162,7 @@ def _softmax_model(folder: Path) -> Path:
     import torch
 
     from elmo_core import BiLM
-    from elmo_core.bilm.model import init_bilm_tf
+    from elmo_core.bilm.initialization import init_bilm_tf
     from elmo_core.config import preset
 
     words = sorted({w for line in TRAIN for w in line.split()})

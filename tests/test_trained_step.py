@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from elmo_core import BiLM, batch_to_ids
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import choose_training, trained_step
-from elmo_core.bilm.model import LstmCell, _recurrence, init_bilm_tf
+from elmo_core.bilm.model import LstmCell, _recurrence
 from elmo_core.config import tiny
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elmo_core import BiLM, batch_to_ids
-from elmo_core.bilm.model import init_bilm_tf
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.config import ModelConfig, tiny
 from elmo_core.errors import ConfigError, WeightFileError
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import h5py
 import numpy as np
@@ -24,6 +25,9 @@ from torch import Tensor
 from elmo_core.allennlp.modules import _ElmoBiLm, remove_sentence_boundaries
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.text.chars import batch_to_ids
+
+if TYPE_CHECKING:  # the options module loads pyarrow (through the tokenizers); the drop-in must not
+    from elmo_core.options import AllennlpElmoConfig
 
 log = logging.getLogger(__name__)
 
@@ -164,3 +168,35 @@ class ElmoEmbedder:
                 index = out.create_dataset("sentence_to_index", (1,), dtype=h5py.special_dtype(vlen=str))
                 index[0] = json.dumps({s: k for s, k in zip(sentences, keys)})
         input_file.close()
+
+
+def run_elmo_command(config: AllennlpElmoConfig) -> str:
+    """``allennlp elmo`` of AllenNLP 0.9 (``elmo allennlp-elmo``): sentences, one a line, into HDF5. Returns the
+    summary line."""
+    embedder = ElmoEmbedder(
+        config.options_file or DEFAULT_OPTIONS_FILE,
+        config.weight_file or DEFAULT_WEIGHT_FILE,
+        config.cuda_device,
+        stateful=config.stateful,
+        precision=config.precision,
+    )
+    try:
+        source = open(config.input_file, encoding="utf-8")  # noqa: SIM115  (embed_file closes it, as AllenNLP's)
+    except FileNotFoundError:
+        raise InputError(f"{config.input_file}: no such file") from None
+    started = time.perf_counter()
+    with torch.no_grad():
+        embedder.embed_file(
+            source,
+            config.output_file,
+            config.output_format,
+            config.batch_size,
+            forget_sentences=config.forget_sentences,
+            use_sentence_keys=config.use_sentence_keys,
+        )
+    with open(config.input_file, encoding="utf-8") as f:
+        n = sum(1 for _ in f)
+    return (
+        f"allennlp-elmo: {n:,} sentences ({config.output_format}) in {time.perf_counter() - started:.1f} s "
+        f"-> {config.output_file}"
+    )

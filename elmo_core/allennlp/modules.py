@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from elmo_core.allennlp.keys import allennlp_keys, from_allennlp, to_allennlp
 from elmo_core.bilm.inference import LstmState, StateCarry
-from elmo_core.bilm.model import BiLM, ScalarMix
+from elmo_core.bilm.model import BiLM
+from elmo_core.bilm.scalar_mix import ScalarMix
 from elmo_core.errors import ConfigError
 from elmo_core.text.chars import batch_to_ids
 

@@ -5,7 +5,10 @@
     lstm_math   TensorFlow's LSTMCell arithmetic, once: the reference the model runs and the kernels match
     kernels/    the CPU's speed kernels, of inference and of training, and the one place that chooses them
     packing     where each token of a batch sits in packed, time-major LSTM data, and back to a layout
-    model       char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix
+    model       char CNN → highway → projection → clipped LSTMs with residual → biLM; what runs each call
+    scalar_mix  ELMo's task mix of the layers (AllenNLP's ScalarMix), learned or fixed
+    initialization  a fresh biLM's weights as bilm-tf initializes them for training
+    info        what this machine runs and what a model is (``elmo info``)
     softmax     TF's sampled softmax (log-uniform sampler) and the full softmax
 
 Nothing here reads DuckDB, pyarrow, Prefect or MLflow: ``from elmo_core import BiLM`` loads torch and this package.

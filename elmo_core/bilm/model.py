@@ -4,7 +4,7 @@
                       ─► ElmoLstm: L layers × {forward, backward}, each an LSTM with a projection,
                          cell/projection clipping and (layers ≥ 1) a residual    = (B, T, P) per layer/direction
                       ─► activations: [e;e], [fwd_1;bwd_1], …, [fwd_L;bwd_L]     = L+1 tensors (B, T, 2P)
-                      ─► ScalarMix (optional)                                    = (B, T, 2P)
+                      ─► ScalarMix (optional, ``scalar_mix.py``)                 = (B, T, 2P)
 
 Shapes: B batch rows, T time steps, C chars per token, F CNN filters, H LSTM cell, P projection, N real steps
 (packed), U distinct tokens of a batch. The numerics follow bilm-tf exactly (``docs/elmo-format.md`` §4); the
@@ -21,18 +21,17 @@ bilm-tf's stateful protocol carries it (``inference.StateCarry``). Parameters of
 forget-gate +1 and is frozen). With clipping (every published model) the recurrence is ``LstmCell`` stepped by
 ``_recurrence``; without it ``nn.LSTM`` itself runs (cuDNN on GPU).
 
-What runs a CPU inference step faster (weights prepared once, oneDNN packing, a C gate kernel) lives in
-``elmo_core/bilm/kernels/``: ``BiLM.prepare(precision)`` chooses it once and ``BiLM.kernels`` says what it chose.
-Training and any call with gradients run the reference ``LstmCell`` below; ``BiLM.prepare_training()`` (the
-trainer's) lets each of its steps run as one autograd node with the gates in C on a CPU, and the char CNN's backward
-reach only each max's position (``BiLM.training_kernels``).
+What runs each call is chosen once and held by the model (``KernelChoice``, ``bilm.runs``): ``BiLM.prepare(
+precision)`` picks the inference kernels of ``elmo_core/bilm/kernels/`` (prepared weights, oneDNN packing, a C gate
+kernel), ``BiLM.prepare_training()`` the training ones (a step as one autograd node, the char CNN's sparse
+backward); without either, the reference ``LstmCell`` below runs. A fresh model's initialization for training is in
+``initialization.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -50,7 +49,7 @@ from elmo_core.bilm.lstm_math import reference_gates, stacked
 from elmo_core.bilm.packing import Packing, TokenBatch, with_boundaries
 from elmo_core.bilm.weights import forget_gate_bias, read_model_files, write_model_files
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
-from elmo_core.errors import ConfigurationError, InputError, WeightFileError
+from elmo_core.errors import WeightFileError
 from elmo_core.precision import resolve_precision
 from elmo_core.text.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
 
@@ -336,75 +335,72 @@ def _precision_of(kernels: Kernels | None) -> contextlib.AbstractContextManager:
 
 
 class KernelChoice:
-    """What runs a biLM's calls, chosen once (``kernels.choose`` / ``choose_training``) and looked up per call: a
-    part of ``BiLM`` kept apart so its class reads as the network. Needs ``config``, ``device``, ``kernels``,
-    ``training_kernels`` and ``_choices`` (set by ``BiLM.__init__``)."""
+    """What runs a biLM's calls, chosen once and looked up per call; a ``BiLM`` holds one (``bilm.runs``).
 
-    config: ModelConfig
-    kernels: Kernels | None
-    training_kernels: TrainingKernels | None
-    _choices: dict[Kernels, Kernels]
-    device: torch.device
+    ``kernels``: what runs inference, once ``prepare`` chose it (None: the reference); each choice made keeps its
+    prepared weights, so switching precisions back and forth rebuilds nothing. ``training``: what runs calls with
+    gradients, once ``prepare_training`` chose it."""
 
-    def prepare(self, precision: str = "fp32", **choices: Any) -> Kernels:
-        """Choose, once, what runs this model's inference on its device in ``precision`` (``kernels.choose``;
-        ``choices`` force one kernel or another). Calls without gradients then run it; returns the choice."""
-        chosen = choose(self.device, precision, self.config.lstm, **choices)
-        self.kernels = self._choices.setdefault(chosen, chosen)  # a choice made before keeps its prepared weights
+    def __init__(self, lstm: LstmConfig) -> None:
+        self.lstm = lstm
+        self.kernels: Kernels | None = None
+        self.training: TrainingKernels | None = None
+        self._made: dict[Kernels, Kernels] = {}
+
+    def prepare(self, device: torch.device, precision: str, **choices: Any) -> Kernels:
+        chosen = choose(device, precision, self.lstm, **choices)
+        self.kernels = self._made.setdefault(chosen, chosen)
         return self.kernels
 
-    def prepare_training(self, **choices: Any) -> TrainingKernels:
-        """Choose, once, what runs this model's calls with gradients on its device (``kernels.choose_training``;
-        ``choices`` force it): the reference cell, its gates in C on a CPU. Returns the choice, for the log."""
-        self.training_kernels = choose_training(self.device, self.config.lstm, **choices)
-        return self.training_kernels
+    def prepare_training(self, device: torch.device, **choices: Any) -> TrainingKernels:
+        self.training = choose_training(device, self.lstm, **choices)
+        return self.training
 
-    def _training_kernels_for_call(self) -> TrainingKernels | None:
+    @contextlib.contextmanager
+    def prepared(self, device: torch.device, precision: str) -> Iterator[Kernels]:
+        previous = self.kernels
+        wanted = resolve_precision(precision, device)
+        try:
+            if previous is not None and previous.precision == wanted and previous.runs_on(device):
+                yield previous
+            else:
+                yield self.prepare(device, wanted)
+        finally:
+            self.kernels = previous
+
+    def for_call(self, device: torch.device) -> Kernels | None:
+        """The prepared kernels where they apply to this call: this device, no gradients, and no autocast of the
+        caller's that they were not chosen for. Otherwise the reference runs, under whatever autocast is on."""
+        kernels = self.kernels
+        if kernels is None or torch.is_grad_enabled() or not kernels.runs_on(device):
+            return None
+        if kernels.precision != "bf16" and torch.is_autocast_enabled(kernels.device):
+            return None
+        return kernels
+
+    def training_for_call(self, device: torch.device) -> TrainingKernels | None:
         """The training kernels where they apply to this call: chosen, on this device, and with gradients."""
-        chosen = self.training_kernels
-        if chosen is None or not torch.is_grad_enabled() or not chosen.runs_on(self.device):
+        chosen = self.training
+        if chosen is None or not torch.is_grad_enabled() or not chosen.runs_on(device):
             return None
         return chosen
 
-    def _cell_of_call(self, kernels: Kernels | None) -> Callable[[Sequence[nn.LSTM], Clips], Cell] | None:
+    def cell_of_call(
+        self, kernels: Kernels | None, device: torch.device
+    ) -> Callable[[Sequence[nn.LSTM], Clips], Cell] | None:
         """What runs this call's LSTM layers, as chosen: the inference kernels' cell, the training kernels' (a call
         with gradients), None for PyTorch's ``nn.LSTM`` where either chose it; nothing chosen: the reference."""
         if kernels is not None:
             return None if kernels.nn_lstm else kernels.cell if kernels.cpu_cells else LstmCell
-        chosen = self._training_kernels_for_call()
+        chosen = self.training_for_call(device)
         if chosen is not None and chosen.nn_lstm:
             return None
         if chosen is not None and chosen.one_node:
             return functools.partial(LstmCell, one_node=True)
         return LstmCell
 
-    @contextlib.contextmanager
-    def prepared(self, precision: str) -> Iterator[Kernels]:
-        """Run the block with the kernels of ``precision`` (the model's own choice where it was prepared for that
-        precision on this device), then go back to that choice. Each choice made keeps its prepared weights, so
-        switching back and forth rebuilds nothing."""
-        previous = self.kernels
-        wanted = resolve_precision(precision, self.device)
-        try:
-            if previous is not None and previous.precision == wanted and previous.runs_on(self.device):
-                yield previous
-            else:
-                yield self.prepare(wanted)
-        finally:
-            self.kernels = previous
 
-    def _kernels_for_call(self) -> Kernels | None:
-        """The prepared kernels where they apply to this call: this device, no gradients, and no autocast of the
-        caller's that they were not chosen for. Otherwise the reference runs, under whatever autocast is on."""
-        kernels = self.kernels
-        if kernels is None or torch.is_grad_enabled() or not kernels.runs_on(self.device):
-            return None
-        if kernels.precision != "bf16" and torch.is_autocast_enabled(kernels.device):
-            return None
-        return kernels
-
-
-class BiLM(KernelChoice, nn.Module):
+class BiLM(nn.Module):
     """The bidirectional language model of ELMo: token encoder + forward/backward LSTM stacks (+ softmax).
 
     ``forward`` takes ids **without** sentence boundaries (as ``batch_to_ids`` makes them), adds ``<S>``/``</S>``,
@@ -422,15 +418,9 @@ class BiLM(KernelChoice, nn.Module):
         # bilm-tf's softmax: one (V, P) table and bias shared by both directions
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
         self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
-        self.kernels: Kernels | None = None  # what runs inference, once ``prepare`` chose it; None: the reference
-        self.training_kernels: TrainingKernels | None = None  # calls with gradients, once ``prepare_training`` chose
-        self._choices: dict[Kernels, Kernels] = {}
-        max_chars = config.char_cnn.max_characters_per_token
-        self.register_buffer(
-            "boundary_char_ids",
-            torch.from_numpy(tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], max_chars)).long(),
-            persistent=False,
-        )
+        self.runs = KernelChoice(config.lstm)  # what runs each call, chosen once (``prepare``, ``prepare_training``)
+        boundaries = tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], config.char_cnn.max_characters_per_token)
+        self.register_buffer("boundary_char_ids", torch.from_numpy(boundaries).long(), persistent=False)
 
     # --- weight files ----------------------------------------------------------------------------
     @classmethod
@@ -471,11 +461,35 @@ class BiLM(KernelChoice, nn.Module):
     def device(self) -> torch.device:
         return self.boundary_char_ids.device
 
+    # --- what runs each call (``KernelChoice``) -------------------------------------------------------
+    @property
+    def kernels(self) -> Kernels | None:
+        """What runs inference, once ``prepare`` chose it; None (or set to None): the reference."""
+        return self.runs.kernels
+
+    @kernels.setter
+    def kernels(self, kernels: Kernels | None) -> None:
+        self.runs.kernels = kernels
+
+    def prepare(self, precision: str = "fp32", **choices: Any) -> Kernels:
+        """Choose, once, what runs this model's inference on its device in ``precision`` (``kernels.choose``;
+        ``choices`` force one kernel or another). Calls without gradients then run it; returns the choice."""
+        return self.runs.prepare(self.device, precision, **choices)
+
+    def prepare_training(self, **choices: Any) -> TrainingKernels:
+        """Choose, once, what runs this model's calls with gradients on its device (``kernels.choose_training``;
+        ``choices`` force it): the reference cell, its gates in C on a CPU. Returns the choice, for the log."""
+        return self.runs.prepare_training(self.device, **choices)
+
+    def prepared(self, precision: str) -> contextlib.AbstractContextManager[Kernels]:
+        """The block runs the kernels of ``precision`` (the model's own where prepared so), then the model's again."""
+        return self.runs.prepared(self.device, precision)
+
     # --- token embeddings (layer 0) ------------------------------------------------------------------
     def _encode(self, char_ids: Tensor, kernels: Kernels | None) -> Tensor:
         if kernels is not None:
             return kernels.token_encoder(self.token_encoder)(char_ids)
-        chosen = self._training_kernels_for_call()
+        chosen = self.runs.training_for_call(self.device)
         return self.token_encoder(char_ids, conv_max if chosen is not None and chosen.sparse_char_cnn else None)
 
     def _distinct_chars(self, flat: Tensor, kernels: Kernels | None) -> tuple[Tensor, Tensor]:
@@ -497,7 +511,7 @@ class BiLM(KernelChoice, nn.Module):
         max_chars = self.config.char_cnn.max_characters_per_token
         chunks = []
         with torch.no_grad():
-            kernels = self._kernels_for_call()
+            kernels = self.runs.for_call(self.device)
             with _precision_of(kernels):
                 for start in range(0, len(tokens), batch_size):
                     ids = torch.from_numpy(tokens_to_char_array(tokens[start : start + batch_size], max_chars)).long()
@@ -551,14 +565,14 @@ class BiLM(KernelChoice, nn.Module):
         (bilm-tf's windows, boundaries already in both): nothing is added, the backward half of each layer is in
         that stream's order, and ``dropout`` applies to each LSTM layer's input.
         """
-        kernels = self._kernels_for_call()
+        kernels = self.runs.for_call(self.device)
         with _precision_of(kernels):
             tokens = self._tokens(inputs, token_table, backward_inputs, kernels)
             packing = Packing.of(tokens.lengths)
             ids = packing.read(tokens.forward, tokens.backward)
             if state is None:
                 state = self.lstm.zero_state(len(tokens.lengths), tokens.table.device, tokens.table.dtype)
-            make_cell = self._cell_of_call(kernels)
+            make_cell = self.runs.cell_of_call(kernels, self.device)
             outputs, new_state = self.lstm(tokens.table, ids, packing, state, make_cell=make_cell, dropout=dropout)
         if layout == "tokens":
             slots, counts = packing.token_slots(tokens)
@@ -583,118 +597,3 @@ class BiLM(KernelChoice, nn.Module):
         """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed; ``options`` as
         ``inference.embed_sentences`` takes them (batch_size, stateful, carry, precision, max_batch_tokens)."""
         return inference.embed_sentences(self, sentences, **options)
-
-
-# ----- 4. scalar mix --------------------------------------------------------------------------------
-
-
-class ScalarMix(nn.Module):
-    """ELMo's task mix γ · Σ_j softmax(w)_j · LN?(layer_j), as AllenNLP computes it; fixed or learned.
-
-    With ``do_layer_norm`` each layer is normalised by one mean and variance over all unmasked positions and
-    features, ε = 1e-13, no affine parameters. Given ``initial_scalar_parameters`` and ``trainable=False`` the
-    weights are fixed: what ``elmo embed --mix-weights`` and the probes use.
-    """
-
-    def __init__(
-        self,
-        mixture_size: int,
-        do_layer_norm: bool = False,
-        initial_scalar_parameters: Sequence[float] | None = None,
-        trainable: bool = True,
-        gamma: float = 1.0,
-    ) -> None:
-        super().__init__()
-        self.mixture_size = mixture_size
-        self.do_layer_norm = do_layer_norm
-        values = list(initial_scalar_parameters) if initial_scalar_parameters is not None else [0.0] * mixture_size
-        if len(values) != mixture_size:
-            raise ConfigurationError(
-                f"ScalarMix: initial_scalar_parameters has {len(values)} values; mixture_size is {mixture_size}"
-            )
-        self.scalar_parameters = nn.ParameterList(
-            nn.Parameter(torch.tensor([float(v)]), requires_grad=trainable) for v in values
-        )
-        self.gamma = nn.Parameter(torch.tensor([float(gamma)]), requires_grad=trainable)
-
-    def weights(self) -> Tensor:
-        """γ · softmax(w): the factor of each layer, (L+1,)."""
-        return self.gamma * torch.softmax(torch.cat(list(self.scalar_parameters)), dim=0)
-
-    def forward(self, tensors: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:
-        if len(tensors) != self.mixture_size:
-            raise ConfigurationError(f"{len(tensors)} tensors passed to a ScalarMix of size {self.mixture_size}")
-        weights = torch.softmax(torch.cat(list(self.scalar_parameters)), dim=0)
-        if self.do_layer_norm and mask is None:
-            raise ValueError("do_layer_norm needs the mask")
-        pieces = []
-        for weight, tensor in zip(weights.split(1), tensors):
-            if self.do_layer_norm:
-                tensor = _masked_layer_norm(tensor, mask)  # type: ignore[arg-type]
-            pieces.append(weight * tensor)
-        return self.gamma * sum(pieces)
-
-
-def fixed_mix(n_layers: int, weights: Sequence[float] | None, gamma: float = 1.0) -> ScalarMix:
-    """The fixed mix a job's ``mix_weights`` option asks for (``elmo embed``, the probes); a wrong length names the
-    option, where a library call's error names ``ScalarMix``'s parameter."""
-    if weights is not None and len(weights) != n_layers:
-        raise InputError(f"mix_weights (--mix-weights) has {len(weights)} values; the model has {n_layers} layers")
-    return ScalarMix(n_layers, initial_scalar_parameters=weights, trainable=False, gamma=gamma)
-
-
-def _masked_layer_norm(tensor: Tensor, mask: Tensor) -> Tensor:
-    broadcast_mask = mask.unsqueeze(-1).to(tensor.dtype)
-    n = broadcast_mask.sum() * tensor.shape[-1]
-    masked = tensor * broadcast_mask
-    mean = masked.sum() / n
-    variance = (((masked - mean) * broadcast_mask) ** 2).sum() / n
-    return (tensor - mean) / torch.sqrt(variance + 1e-13)
-
-
-# ----- 5. initialisation for training (bilm-tf's recipe, docs §6) ------------------------------------
-
-
-def init_bilm_tf(model: BiLM) -> None:
-    """Initialise a fresh model as bilm-tf does before training."""
-    cfg = model.config
-    enc = model.token_encoder
-    with torch.no_grad():
-        nn.init.uniform_(enc.char_cnn.char_embedding.weight, -1.0, 1.0)
-        enc.char_cnn.char_embedding.weight[0].zero_()
-        for (width, _), conv in zip(cfg.char_cnn.filters, enc.char_cnn.convs):
-            if cfg.char_cnn.activation == "relu":
-                nn.init.uniform_(conv.weight, -0.05, 0.05)
-            else:
-                nn.init.normal_(conv.weight, 0.0, math.sqrt(1.0 / (width * cfg.char_cnn.embedding.dim)))
-            conv.bias.zero_()
-        std = math.sqrt(1.0 / cfg.char_cnn.n_filters)
-        for highway in enc.highways:
-            nn.init.normal_(highway.carry.weight, 0.0, std)
-            nn.init.normal_(highway.transform.weight, 0.0, std)
-            highway.carry.bias.fill_(-2.0)
-            highway.transform.bias.zero_()
-        if enc.projection is not None:
-            nn.init.normal_(enc.projection.weight, 0.0, std)
-            enc.projection.bias.zero_()
-        for lstm in model.lstm.all_layers():
-            # TF's default kernel init is Glorot-uniform over the fused [input; recurrent] kernel
-            fan_in = lstm.input_size + (lstm.proj_size or lstm.hidden_size)
-            bound = math.sqrt(6.0 / (fan_in + 4 * lstm.hidden_size))
-            nn.init.uniform_(lstm.weight_ih_l0, -bound, bound)
-            nn.init.uniform_(lstm.weight_hh_l0, -bound, bound)
-            if lstm.proj_size > 0:
-                bound_p = math.sqrt(6.0 / (lstm.hidden_size + lstm.proj_size))
-                nn.init.uniform_(lstm.weight_hr_l0, -bound_p, bound_p)
-            lstm.bias_ih_l0.zero_()
-            lstm.bias_hh_l0.copy_(forget_gate_bias(lstm.hidden_size))
-    init_softmax(model)
-
-
-def init_softmax(model: BiLM) -> None:
-    """bilm-tf's softmax init, N(0, 1/sqrt(P)) weights and zero bias (also for a new vocabulary when fine-tuning)."""
-    if model.softmax is None:
-        return
-    with torch.no_grad():
-        nn.init.normal_(model.softmax.weight, 0.0, 1.0 / math.sqrt(model.config.lstm.projection_dim))
-        model.softmax.bias.zero_()

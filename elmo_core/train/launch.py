@@ -32,7 +32,8 @@ from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
-from elmo_core.train.loop import TrainResult, train
+from elmo_core.train.loop import train
+from elmo_core.train.run import TrainResult
 
 log = logging.getLogger(__name__)
 

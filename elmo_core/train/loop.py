@@ -14,12 +14,12 @@
   batches, samples and dropout masks. Under ``torchrun`` each rank reads disjoint sentences; rank 0 logs and saves.
 
 Read ``train`` at the bottom first: ``setup`` builds a ``Run``, ``train_step`` trains one batch (``run.step`` counts
-them), ``save``/``restore`` move a ``Checkpoint`` in and out, ``finish`` evaluates, exports and registers the model.
+them), ``run.save``/``run.restore`` move a ``Checkpoint`` in and out, ``finish`` evaluates, exports and
+registers the model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -28,25 +28,21 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from elmo_core import cpu
-from elmo_core.bilm.model import BiLM, LstmState, init_bilm_tf, init_softmax
+from elmo_core.bilm.initialization import init_bilm_tf, init_softmax
+from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
 from elmo_core.data.prefetch import Prefetcher
 from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 from elmo_core.errors import (
-    CheckpointError,
     ConfigError,
-    ElmoError,
     InputError,
     TrainingDivergedError,
     TrainingStopped,
@@ -59,14 +55,14 @@ from elmo_core.ranks import Rank, this_process
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
-    RankState,
     checkpoint_dir,
     load_newest_valid,
-    write_checkpoint,
 )
+from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
 from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows, train_token_counts
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
+from elmo_core.train.run import Run, TrainResult, restore, save
 from elmo_core.train.tracking import (
     MLflowTracker,
     NodeSystemMetrics,
@@ -84,52 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    final_loss: float
-    perplexity: dict[str, float]  # the exported model's heldout perplexity ({} without a heldout split)
-    model_dir: Path
-    run_id: str | None = None
-    model_uri: str | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
-    exported_step: int = 0  # the step whose weights were exported (``export: best`` may pick an earlier one)
-
-
-# ----- distributed ------------------------------------------------------------------------------------
-
-
-def _init_distributed(device: torch.device) -> Rank:
-    """This process's rank, its process group set up where the launch has several (gloo on CPUs, NCCL on GPUs)."""
-    launched = this_process()
-    if launched.world == 1:
-        return launched
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return replace(launched, rank=dist.get_rank(), world=dist.get_world_size())
-
-
-def _gather(ddp: Rank, item: Any) -> list[Any]:
-    if ddp.world == 1:
-        return [item]
-    gathered: list[Any] = [None] * ddp.world
-    dist.all_gather_object(gathered, item)
-    return gathered
-
-
-def _check_replicas_agree(bilm: BiLM, ddp: Rank, out: Path) -> None:
-    """Every rank hashes its weights; rank 0 writes them to out/ddp_weights.json and fails if they differ."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(bilm.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    digests = _gather(ddp, digest.hexdigest())
-    if ddp.main:
-        write_text_atomic(out / "ddp_weights.json", json.dumps(digests) + "\n")
-        if len(set(digests)) != 1:
-            raise ElmoError(f"DDP replicas diverged: weight digests {digests}")
 
 
 # ----- building a run ---------------------------------------------------------------------------------
@@ -206,45 +156,10 @@ def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return norm
 
 
-@dataclass
-class Run:
-    """Everything one training run holds. ``setup`` makes it; ``train_step``, ``save`` and ``restore`` change it."""
-
-    config: TrainConfig
-    out: Path
-    data: Path
-    device: torch.device
-    ddp: Rank
-    precision: str
-    precision_reason: str  # why (``precision.resolve_precision``): logged and kept as an MLflow param
-    vocab: list[str]
-    unigram_counts: np.ndarray
-    bilm: BiLM
-    model: nn.Module  # the LMObjective, wrapped in DDP across processes
-    params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    sampler: LogUniformSampler
-    batches: Prefetcher  # the batch generator, run ahead of the step
-    tracker: Tracker
-    steps_per_epoch: int
-    total_steps: int
-    state: LstmState | None = None  # each row's LSTM state, carried into the next window
-    step: int = 0
-    loss: float = float("nan")
-    skipped: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-    node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
-    best: BestWeights | None = None  # ``export: best`` (rank 0): the best weights so far
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.config.batch_size * self.config.unroll_steps * self.ddp.world
-
-
 def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
     """This process's device and place among the ranks (its GPU under torchrun, its share of the cores on a CPU)."""
     device = pick_device(config.device)
-    ddp = _init_distributed(device)
+    ddp = init_distributed(device)
     share = cpu.apply_thread_share()  # a launched CPU rank: its share of the machine's cores (launch.py)
     if share and ddp.main:
         log.info("%s (each of the %d ranks on this machine has as many)", share, ddp.world // ddp.nodes)
@@ -333,21 +248,24 @@ def _resume_and_track(run: Run, tracker: Tracker | None, n_data_tokens: int, spa
     system-metrics logger per other machine)."""
     config, out, ddp = run.config, run.out, run.ddp
     found = load_newest_valid(out) if config.resume else None
+    run_id = None  # the MLflow run a resumed training continues
     if found is not None:
-        restore(run, Checkpoint.from_payload(found[1]))
+        run_id = restore(run, Checkpoint.from_payload(found[1]))
         log.info("resumed from %s at step %d", found[0], run.step)
     elif config.resume:
         log.info("no checkpoint in %s: starting from scratch", checkpoint_dir(out))
     if ddp.main:
         run.best = BestWeights.resume(out, run.step) if config.export == "best" else None
-        _start_tracking(run, tracker, n_data_tokens, sparse)
+        _start_tracking(run, tracker, n_data_tokens, sparse, run_id)
     if ddp.nodes > 1 and config.tracking == "mlflow":
-        run_id, uri = _gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
+        run_id, uri = gather(ddp, (run.tracker.run_id, getattr(run.tracker, "tracking_uri", None)))[0]
         if not ddp.main and ddp.local_rank == 0 and run_id and uri:  # one per other machine, into rank 0's run
             run.node_metrics = NodeSystemMetrics(run_id, uri, f"node{ddp.node}")
 
 
-def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, sparse: bool) -> None:
+def _start_tracking(
+    run: Run, tracker: Tracker | None, n_data_tokens: int, sparse: bool, run_id: str | None = None
+) -> None:
     """Rank 0: the tracker (MLflow unless ``tracking: none``; a resumed run continues its MLflow run), the run's
     params, and config.json in the run folder."""
     config, out, ddp = run.config, run.out, run.ddp
@@ -359,7 +277,7 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
             config.mlflow_experiment,
             run_name=out.name,
             tracking_uri=config.tracking_uri,
-            run_id=run.tracker.run_id,
+            run_id=run_id,
             tags={"elmo.stage": "train"},
         )
         if config.tracking == "mlflow"
@@ -378,73 +296,11 @@ def _start_tracking(run: Run, tracker: Tracker | None, n_data_tokens: int, spars
                 "device": str(run.device),
                 "precision": run.precision,
                 "precision_reason": run.precision_reason,
-                "kernels": str(run.bilm.training_kernels),
+                "kernels": str(run.bilm.runs.training),
             },
         }
     )
     write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
-
-
-# ----- checkpoints: every key named once --------------------------------------------------------------
-
-
-def capture_rank(run: Run) -> RankState:
-    """This rank's part of a checkpoint."""
-    state = run.state or run.bilm.lstm.zero_state(run.config.batch_size, torch.device("cpu"))
-    return RankState(
-        sampler=run.sampler.state_dict(),
-        batcher=json.dumps(run.batches.state_dict()),
-        torch_rng=torch.get_rng_state(),
-        cuda_rng=torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-        lstm_state=tuple(s.detach().cpu() for s in state),  # type: ignore[arg-type]
-    )
-
-
-def apply_rank(run: Run, rank: RankState) -> None:
-    run.sampler.load_state_dict(rank.sampler)
-    run.batches.load_state_dict(json.loads(rank.batcher))
-    torch.set_rng_state(rank.torch_rng)
-    if run.device.type == "cuda" and rank.cuda_rng is not None:
-        torch.cuda.set_rng_state(rank.cuda_rng, run.device)
-    run.state = tuple(s.to(run.device) for s in rank.lstm_state)  # type: ignore[assignment]
-
-
-def save(run: Run) -> Path | None:
-    """Write the run's checkpoint (rank 0, with every rank's state); returns its path on rank 0."""
-    ranks: list[RankState] = _gather(run.ddp, capture_rank(run))
-    if not run.ddp.main:
-        return None
-    checkpoint = Checkpoint(
-        step=run.step,
-        config=run.config.model_dump_json(),
-        run_id=run.tracker.run_id or "",
-        model={k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
-        optimizer=run.optimizer.state_dict(),
-        ranks=ranks,
-    )
-    path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
-    log.info("checkpoint %s", path)
-    return path
-
-
-def restore(run: Run, checkpoint: Checkpoint) -> None:
-    """Put a run back exactly where ``checkpoint`` was taken."""
-    try:
-        run.bilm.load_state_dict(checkpoint.model)
-        run.optimizer.load_state_dict(checkpoint.optimizer)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "
-            f"model or optimizer ({str(exc).splitlines()[0][:160]}); use a new out folder"
-        ) from None
-    if len(checkpoint.ranks) != run.ddp.world:
-        raise CheckpointError(
-            f"{checkpoint_dir(run.out)}: written by {len(checkpoint.ranks)} processes, resumed by "
-            f"{run.ddp.world}; resume with the same number of processes"
-        )
-    apply_rank(run, checkpoint.ranks[run.ddp.rank])
-    run.step = checkpoint.step
-    run.tracker.run_id = checkpoint.run_id or None
 
 
 # ----- one step ---------------------------------------------------------------------------------------
@@ -568,7 +424,7 @@ def finish(run: Run) -> TrainResult:
     with ``export: best``), MLflow artifacts and registry."""
     final = save(run)
     if run.ddp.world > 1:
-        _check_replicas_agree(run.bilm, run.ddp, run.out)
+        check_replicas_agree(run.bilm, run.ddp, run.out)
     perplexity = evaluate_heldout(run)
     model_dir, model_uri, exported_step = run.out / "model", None, run.step
     if run.ddp.main:

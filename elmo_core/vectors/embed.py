@@ -43,7 +43,8 @@ import torch
 
 from elmo_core import cpu
 from elmo_core.bilm.inference import StateCarry, consecutive_batches, length_batches, token_rows
-from elmo_core.bilm.model import BiLM, fixed_mix
+from elmo_core.bilm.model import BiLM
+from elmo_core.bilm.scalar_mix import fixed_mix
 from elmo_core.bilm.weights import OPTIONS_NAME, resolve_model_files
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from elmo_core.bilm.model import BiLM, ScalarMix, fixed_mix
+from elmo_core.bilm.model import BiLM
+from elmo_core.bilm.scalar_mix import ScalarMix, fixed_mix
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
@@ -531,3 +532,37 @@ def _finish(
 
 
 # ``elmo probe <kind>``: (options model, runner, one-line help, description with an example)
+
+
+# ----- the demo: one look at polysemy -----------------------------------------------------------------------
+
+
+def polysemy_table(bilm: BiLM, sentences: list[list[str]]) -> list[str]:
+    """``elmo demo``: embed ``sentences``, then the top layer's cosine between every use of apple / 苹果 as a table
+    (the fruit's uses near each other, the company's apart). Returns the lines to print."""
+    started = time.perf_counter()
+    vectors = bilm.embed_sentences(sentences)
+    elapsed = time.perf_counter() - started
+    n_tokens = sum(len(s) for s in sentences)
+    lines = [
+        f"layers       {bilm.num_layers} x {bilm.output_dim}",
+        f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s "
+        f"({n_tokens / elapsed:,.0f} tokens/s)",
+    ]
+    hits = [
+        (i, t)
+        for i, s in enumerate(sentences)
+        for t, tok in enumerate(s)
+        if tok.lower().startswith("apple") or tok == "苹果"
+    ]
+    if not hits:
+        return lines
+    top = np.stack([vectors[i][-1, t] for i, t in hits])
+    top /= np.linalg.norm(top, axis=1, keepdims=True)
+    similarity = top @ top.T
+    labels = [f"s{i}:{sentences[i][t]}" for i, t in hits]
+    width = max(len(label) for label in labels)
+    lines.append("cosine similarity of the top layer between occurrences of apple / 苹果:")
+    lines.append(" " * width + "  " + " ".join(f"{j:>5d}" for j in range(len(hits))))
+    lines += [f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in similarity[j]) for j, label in enumerate(labels)]
+    return lines
