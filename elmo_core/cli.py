@@ -185,22 +185,25 @@ def cmd_info(config: InfoConfig) -> None:
 
 
 def cmd_ingest(config: IngestConfig) -> None:
-    from elmo_core.ingest import ingest
+    from elmo_core.ingest import IngestStage
+    from elmo_core.stage import run_local
 
-    summary = ingest(config)
+    summary = run_local(IngestStage(), config)
     for problem in summary.warnings:
         print(f"warning: {problem}", file=sys.stderr)
     for error in summary.errors:
         print(f"error: {error}", file=sys.stderr)
     print(summary.line() + f" -> {config.out}")
-    if summary.nothing_ingested:
-        raise ElmoError(f"no input could be ingested ({summary.files_failed} failed)")
+    refused = summary.refusal()
+    if refused is not None:
+        raise refused
 
 
 def cmd_vocab(config: VocabConfig) -> None:
-    from elmo_core.data.vocab import build_vocab
+    from elmo_core.data.vocab import VocabStage
+    from elmo_core.stage import run_local
 
-    stats = build_vocab(config)
+    stats = run_local(VocabStage(), config)
     vocab_txt = Path(config.db).with_name("vocab.txt")
     print(
         f"vocab: {stats['vocab_size']:,} entries from {stats['train_tokens']:,} train tokens "
@@ -211,10 +214,11 @@ def cmd_vocab(config: VocabConfig) -> None:
 
 
 def cmd_train(config: TrainConfig) -> None:
+    from elmo_core.stage import run_local
     from elmo_core.train.evaluate import describe_perplexity
-    from elmo_core.train.launch import launch, write_result
+    from elmo_core.train.launch import TrainStage, write_result
 
-    result = launch(config)  # --nproc-per-node N: torch.distributed.run with N ranks, this command in each
+    result = run_local(TrainStage(), config)  # --nproc-per-node N: torch.distributed.run with N ranks
     if os.environ.get("ELMO_RESULT_FILE"):  # a rank of a launch: rank 0 tells the launcher, which reports
         write_result(result)  # type: ignore[arg-type]
         return
@@ -227,9 +231,10 @@ def cmd_train(config: TrainConfig) -> None:
 
 
 def cmd_perplexity(config: PerplexityConfig) -> None:
-    from elmo_core.train.evaluate import perplexity
+    from elmo_core.stage import run_local
+    from elmo_core.train.evaluate import PerplexityStage
 
-    result = perplexity(config)
+    result = run_local(PerplexityStage(), config)
     print(
         f"perplexity: {result['perplexity']:.2f} (forward {result['perplexity_forward']:.2f}, backward "
         f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens "
@@ -238,9 +243,10 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
 
 
 def cmd_export(config: ExportConfig) -> None:
-    from elmo_core.train.export import export_checkpoint
+    from elmo_core.stage import run_local
+    from elmo_core.train.export import ExportStage
 
-    step, checkpoint = export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]
+    step, checkpoint = run_local(ExportStage(), config)
     print(f"export: step {step} of {checkpoint} -> {config.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
 
 
@@ -284,9 +290,10 @@ def cmd_query(config: QueryConfig) -> None:
 
 
 def cmd_probe(config: WsdConfig | TagConfig) -> None:
+    from elmo_core.stage import run_local
     from elmo_core.vectors import probe
 
-    results = probe.run_wsd(config) if isinstance(config, WsdConfig) else probe.run_tag(config)
+    results = run_local(probe.ProbeStage(), config)
     print(probe.results_table(results))
     print(
         f"probe {results['kind']}: -> {Path(config.out) / 'results.json'}, chart.png"

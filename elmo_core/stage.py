@@ -26,6 +26,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -78,6 +79,45 @@ class Stage(Protocol[OptionsT, PlanT, ResultT, SummaryT]):
     def finish(self, plan: PlanT, results: list[ResultT], seconds: float) -> SummaryT: ...
 
 
+@dataclass(frozen=True)
+class Whole:
+    """The one unit of a stage done in one piece."""
+
+    name: str
+    size: int = 1
+
+
+@dataclass
+class WholePlan:
+    options: Any
+    units: list[Whole]
+
+
+class WholeStage:
+    """A stage done as one unit, whatever runs it: ingest (deduplication against one manifest is sequential), vocab
+    (one DuckDB), train (its launcher owns the ranks), export, perplexity, a probe. Its own work keeps its own lock
+    and progress bar; a runner drives it as any other stage (in a Prefect flow, the task that calls it is the unit).
+    Subclasses name it and say what ``work`` does."""
+
+    name = "stage"
+    counts = ""  # no runner's bar: the work shows its own progress
+
+    def claim(self, options: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def plan(self, options: Any) -> WholePlan:
+        return WholePlan(options, [Whole(self.name)])
+
+    def run_unit(self, plan: WholePlan, unit: Whole, report: Callable[[int], None] | None = None) -> Any:
+        return self.work(plan.options)
+
+    def finish(self, plan: WholePlan, results: list[Any], seconds: float) -> Any:
+        return results[0]
+
+    def work(self, options: Any) -> Any:
+        raise NotImplementedError
+
+
 def _run_in_worker(stage: Stage, plan: Any, unit: Any) -> Any:
     cpu.apply_thread_share()  # the environment cpu.worker_env gave this process: its share of the cores
     return stage.run_unit(plan, unit)
@@ -91,17 +131,22 @@ def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: Options
         plan = stage.plan(options)
         units = list(plan.units)  # type: ignore[attr-defined]
         results: dict[str, ResultT] = {}
-        with track(stage.name, sum(u.size for u in units), stage.counts) as progress:
+        with _bar(stage, units) as progress:
             if workers <= 1 or len(units) <= 1:
                 for unit in units:
                     tally = _Tally(progress)
                     results[unit.name] = stage.run_unit(plan, unit, tally.report)
-                    progress.advance(max(0, unit.size - tally.reported), f"{len(results)}/{len(units)} units")
+                    tally.done(unit, f"{len(results)}/{len(units)} units")
             else:
                 for unit, result in _in_processes(stage, plan, units, workers):
                     results[unit.name] = result
                     progress.advance(unit.size, unit.name)
         return stage.finish(plan, [results[u.name] for u in units], time.perf_counter() - started)
+
+
+def _bar(stage: Stage, units: list[Any]) -> contextlib.AbstractContextManager[Any]:
+    """The stage's progress bar, counted in its units' sizes; none where the stage's work shows its own."""
+    return track(stage.name, sum(u.size for u in units), stage.counts) if stage.counts else contextlib.nullcontext()
 
 
 class _Tally:
@@ -112,7 +157,12 @@ class _Tally:
 
     def report(self, amount: int) -> None:
         self.reported += amount
-        self.progress.advance(amount)
+        if self.progress is not None:
+            self.progress.advance(amount)
+
+    def done(self, unit: Any, info: str) -> None:
+        if self.progress is not None:
+            self.progress.advance(max(0, unit.size - self.reported), info)
 
 
 def _in_processes(stage: Stage, plan: Any, units: list[Any], workers: int) -> Any:

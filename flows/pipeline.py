@@ -18,14 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.bilm.weights import OPTIONS_NAME, WEIGHTS_NAME
-from elmo_core.data.vocab import build_vocab
-from elmo_core.errors import ConfigError, InputError
-from elmo_core.ingest import find_sources, ingest
+from elmo_core.data.vocab import VocabStage
+from elmo_core.errors import ConfigError
+from elmo_core.ingest import IngestStage, find_sources
 from elmo_core.options import (
     CPU_TRAIN_OPTIONS,
     TRACKING_URI_HELP,
     EmbedConfig,
     EmbedOptions,
+    ExportConfig,
     IngestConfig,
     IngestOptions,
     Source,
@@ -34,11 +35,11 @@ from elmo_core.options import (
     VocabConfig,
     VocabOptions,
 )
-from elmo_core.stage import fingerprint_files, run_once
+from elmo_core.stage import fingerprint_files, run_local, run_once
 from elmo_core.text.corpus import write_default_corpus
 from elmo_core.train.evaluate import describe_perplexity, evaluate_export
-from elmo_core.train.export import export_checkpoint
-from elmo_core.train.launch import launch
+from elmo_core.train.export import ExportStage
+from elmo_core.train.launch import TrainStage
 from elmo_core.train.tracking import MLflowTracker, resolve_tracking_uri
 from flows.common import PROJECT_ROOT, RETRIED, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
@@ -111,9 +112,10 @@ def default_corpus(workdir: str) -> list[str]:
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        summary = ingest(config, afresh_on_new_options=True)
-        if summary.nothing_ingested:
-            raise InputError("no input could be ingested: " + "; ".join(summary.errors))
+        summary = run_local(IngestStage(afresh_on_new_options=True), config)
+        refused = summary.refusal()
+        if refused is not None:
+            raise refused
         return {
             "line": summary.line(),
             "sentences": summary.sentences,
@@ -134,7 +136,7 @@ def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, 
 @task(**RETRIED)
 @stage
 def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, Any]:
-    result = run_once(Path(out), fingerprint, lambda: {k: float(v) for k, v in build_vocab(config).items()})
+    result = run_once(Path(out), fingerprint, lambda: {k: float(v) for k, v in run_local(VocabStage(), config).items()})
     create_table_artifact(
         key="corpus-stats",
         table=[{"statistic": k, "value": v} for k, v in result.items()],
@@ -148,7 +150,7 @@ def vocab_stage(config: VocabConfig, out: str, fingerprint: str) -> dict[str, An
 def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         # resume=True: an interrupted run with these inputs continues; nproc_per_node > 1: torchrun, rank 0's lines
-        result = launch(config, on_line=get_run_logger().info)
+        result = run_local(TrainStage(on_line=get_run_logger().info), config)
         assert result is not None  # the pipeline runs on node 0 (checked in _stage_configs)
         return {
             "steps": result.steps,
@@ -176,7 +178,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
 @stage
 def export_stage(run_dir: str, out: str, fingerprint: str) -> str:
     def work() -> dict[str, Any]:
-        step, checkpoint = export_checkpoint(run_dir, out)
+        step, checkpoint = run_local(ExportStage(), ExportConfig(run=run_dir, out=out))
         get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
         return {"model_dir": out, "step": step, "checkpoint": str(checkpoint)}
 
@@ -249,9 +251,7 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
     trained = train_stage(
         train_config,
         str(train_dir),
-        fingerprint_files(
-            [vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.model_dump(mode="json", exclude={"wait"})
-        ),
+        fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.identity()),
     )
     # export and evaluate skip as the stages before them do: the training's result (its run, steps and the step
     # exported) is export's input, the exported files and the vocab's token ids are evaluate's

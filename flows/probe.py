@@ -16,14 +16,15 @@ from prefect.artifacts import create_markdown_artifact
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
 from elmo_core.errors import ConfigError
 from elmo_core.options import TagConfig, WsdConfig
-from elmo_core.vectors.probe import results_table, run_tag, run_wsd
+from elmo_core.stage import run_local
+from elmo_core.vectors.probe import ProbeStage, results_table
 from flows.common import RETRIED, run_main, stage
 
 
 @task(**{**RETRIED, "retries": 1})  # a probe is long: one retry
 @stage
 def probe_task(kind: str, config: WsdConfig | TagConfig) -> dict[str, Any]:
-    results = run_wsd(config) if kind == "wsd" else run_tag(config)  # type: ignore[arg-type]
+    results = run_local(ProbeStage(), config)
     create_markdown_artifact(
         key=f"probe-{kind}",
         markdown=f"## {kind} probe of `{config.model}`\n\n{results_table(results)}\n",

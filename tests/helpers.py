@@ -59,3 +59,64 @@ def assert_same_vectors(
         else:
             cosine = (x * y).sum(-1) / (np.linalg.norm(x, axis=-1) * np.linalg.norm(y, axis=-1))
             assert cosine.min() >= 0.9999
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group a server was started in, then SIGKILL if it has not ended in 20 s."""
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start_server(
+    command: Sequence[str], ready: str, log: Path, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.Popen:
+    """Start a server in a session of its own (its output to ``log``) and poll ``ready`` until it answers (any
+    HTTP reply but a connection error); a server that exits or stays silent fails with its log's tail."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    with open(log, "w") as sink:
+        server = subprocess.Popen(
+            list(command), env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(ready, timeout=2).close()
+            return server
+        except urllib.error.HTTPError:
+            return server  # it answers: up
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                stop_group(server)
+                raise RuntimeError(f"{command[0]} did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.5)
+
+
+def ingested(folder: Path, lines: Sequence[str], name: str = "text.txt") -> Path:
+    """``lines`` written as one text file and ingested as they are (no heldout split) into ``folder/ing``."""
+    from elmo_core.ingest import IngestConfig, ingest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ingest(IngestConfig(sources=[str(folder / name)], out=str(folder / "ing"), heldout_fraction=0.0))
+    return folder / "ing"

@@ -16,7 +16,7 @@ import pytest
 from elmo_core import cpu
 from elmo_core.fileio import FolderLock
 from elmo_core.vectors.embed import LOCK_NAME, work_dir
-from tests.helpers import ROOT, run_elmo
+from tests.helpers import ROOT, free_port, run_elmo, start_server
 from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture: bilm-tf's data, its vocab)
 
 WORDS = ["apple", "river", "bank", "stone", "light", "music", "paper", "green", "seven", "quiet"]
@@ -180,54 +180,25 @@ def test_an_unreachable_tracking_server_fails_a_training_in_seconds_before_any_w
     assert "no MLflow server answers at http://127.0.0.1:9" in probe.stderr and not (tmp_path / "p").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_tracking_server_that_goes_away_mid_run_neither_kills_nor_stalls_the_training(tmp_path, fixture_data):  # noqa: F811
     import json
     import os
     import signal
-    import urllib.request
 
-    port = _free_port()
+    port = free_port()
     uri = f"http://127.0.0.1:{port}"
     server_env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_bin = Path(sys.executable).with_name("mlflow")
-    server = subprocess.Popen(
-        [
-            str(mlflow_bin),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(tmp_path / "art"),
-        ],
-        env=server_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    command = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    command += [
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--default-artifact-root",
+        str(tmp_path / "art"),
+    ]
+    server = start_server(command, f"{uri}/health", tmp_path / "mlflow.log", server_env)
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not start")
         config = {
             **FIXTURE_OPTIONS,
             "data": str(fixture_data),

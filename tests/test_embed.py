@@ -19,7 +19,7 @@ from elmo_core.errors import ConfigError
 from elmo_core.ingest import IngestConfig, ingest
 from elmo_core.vectors.embed import EmbedConfig, embed
 from elmo_core.vectors.query import EmbeddingStore
-from tests.helpers import run_elmo
+from tests.helpers import ingested, run_elmo
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCES = [
@@ -33,9 +33,7 @@ SENTENCES = [
 
 @pytest.fixture()
 def corpus(tmp_path) -> Path:
-    (tmp_path / "s.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-    ingest(IngestConfig(sources=[str(tmp_path / "s.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0))
-    return tmp_path / "ing"
+    return ingested(tmp_path, SENTENCES, "s.txt")
 
 
 def _read(out: Path):

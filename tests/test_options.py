@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import sys
 import typing
@@ -15,7 +14,7 @@ import yaml
 from elmo_core.cli import COMMANDS, build_parser, parse_config
 from elmo_core.config import PRESETS, PresetName
 from elmo_core.errors import ConfigError
-from elmo_core.options import CPU_TRAIN_OPTIONS, EmbedOptions, IngestOptions, TrainConfig, TrainOptions, VocabOptions
+from elmo_core.options import CPU_TRAIN_OPTIONS, EmbedOptions, IngestOptions, TrainConfig, TrainOptions
 from elmo_core.text.tokenize import TokenizerName
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,25 +86,31 @@ def test_one_list_of_presets_and_of_tokenizers():
     assert EmbedOptions.model_fields["tokenizer"].annotation is TokenizerName
 
 
-def test_the_flows_take_the_option_models():
-    from elmo_core.options import TagConfig, WsdConfig
-    from flows.embed import embed_flow
+def test_the_flows_turn_their_parameters_into_the_option_models():
+    """A deployment's parameters become the options model the CLI builds from flags (coerced, checked, unknown keys
+    refused), for every flow."""
+    from prefect.exceptions import ParameterTypeError
+
+    from elmo_core.options import EmbedConfig, IndexConfig, WsdConfig
+    from flows.embed import embed_flow, index_flow
+    from flows.pipeline import elmo_pipeline
     from flows.probe import probe_flow
 
-    probe_parameters = inspect.signature(probe_flow.fn).parameters
-    assert list(probe_parameters) == ["kind", "wsd", "tag"]
-    assert probe_parameters["wsd"].annotation in (WsdConfig | None, "WsdConfig | None")
-    assert probe_parameters["tag"].annotation in (TagConfig | None, "TagConfig | None")
-    from flows.pipeline import PipelineParams, elmo_pipeline
-
-    assert list(inspect.signature(elmo_pipeline.fn).parameters) == ["params"]
-    stages = {"ingest": IngestOptions, "vocab": VocabOptions, "train": TrainOptions, "embed": EmbedOptions}
-    for name, model in stages.items():
-        assert PipelineParams.model_fields[name].annotation is model
-    assert PipelineParams.model_fields["train"].default is CPU_TRAIN_OPTIONS
-    from elmo_core.options import EmbedConfig
-
-    assert inspect.signature(embed_flow.fn).parameters["config"].annotation in (EmbedConfig, "EmbedConfig")
+    job = {"model": "m", "input": "i", "out": "o", "precision": "int8", "unit_tokens": "500"}
+    assert embed_flow.validate_parameters({"config": job})["config"] == EmbedConfig.model_validate(job)
+    assert index_flow.validate_parameters({"config": {"table": "t"}})["config"] == IndexConfig(table="t")
+    probe = probe_flow.validate_parameters({"kind": "wsd", "wsd": {"model": "m", "out": "o"}})
+    assert probe["wsd"] == WsdConfig(model="m", out="o") and probe["tag"] is None
+    main_job = elmo_pipeline.validate_parameters({"params": {"train": {"n_epochs": 3}}})["params"]
+    assert main_job.train == CPU_TRAIN_OPTIONS.model_copy(update={"n_epochs": 3})
+    for flow, bad in [
+        (embed_flow, {"config": {**job, "layer": 3}}),  # a key the model lacks
+        (embed_flow, {"config": {**job, "precision": "fp16"}}),  # a value it refuses
+        (index_flow, {"config": {"table": "t", "shard_rows": 0}}),
+        (elmo_pipeline, {"params": {"train": {"max_vocab": 3}}}),
+    ]:
+        with pytest.raises(ParameterTypeError):
+            flow.validate_parameters(bad)
 
 
 def test_a_stage_dict_lays_over_the_main_job_defaults():

@@ -9,8 +9,6 @@ import gzip
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tests.helpers import run_module
+from tests.helpers import free_port, run_module, start_server, stop_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -44,27 +42,10 @@ CORPUS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect_home")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -76,30 +57,16 @@ def prefect_server(tmp_path_factory):
         "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db",
         "PYTHONUNBUFFERED": "1",
     }
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen(
+    server = start_server(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        f"http://127.0.0.1:{port}/api/health",
+        home / "server.log",
+        env,
     )
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(
-                        f"Prefect server did not start: {(home / 'server.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.5)
         yield env
     finally:
-        _kill_group(server)
-        log.close()
+        stop_group(server)
 
 
 def _prefect(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -112,44 +79,17 @@ def _prefect(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedP
 
 def _check_mlflow_ui(env: dict, run_id: str, tmp_path: Path) -> None:
     """The README's `mlflow ui --backend-store-uri ...` serves the run."""
-    port = _free_port()
-    log = open(tmp_path / "mlflow.log", "w")
-    ui = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "ui",
-            "--backend-store-uri",
-            env["MLFLOW_TRACKING_URI"],
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    port = free_port()
+    command = [str(BIN / "mlflow"), "ui", "--backend-store-uri", env["MLFLOW_TRACKING_URI"]]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    ui_env = {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    ui = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "mlflow.log", ui_env)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=5
-                ) as r:
-                    assert json.loads(r.read())["run"]["info"]["run_id"] == run_id
-                break
-            except OSError:
-                if time.time() > deadline or ui.poll() is not None:
-                    raise RuntimeError(
-                        f"mlflow ui did not serve the run: {(tmp_path / 'mlflow.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={run_id}"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert json.loads(r.read())["run"]["info"]["run_id"] == run_id
     finally:
-        _kill_group(ui)
-        log.close()
+        stop_group(ui)
 
 
 def _api(env: dict, path: str, body: dict) -> list[dict]:
@@ -293,7 +233,7 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         markdown = _api(env, "/artifacts/filter", {"artifacts": {"key": {"any_": ["probe-tag"]}}})
         assert markdown and "| layer_1 |" in markdown[0]["data"]
     finally:
-        _kill_group(worker)
+        stop_group(worker)
         worker_log.close()
 
     con = duckdb.connect()
@@ -529,5 +469,5 @@ def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_a
         steps = [json.loads(line)["step"] for line in (tmp_path / "cancel" / "train" / "metrics.jsonl").open()]
         assert max(steps) == 240
     finally:
-        _kill_group(worker)
+        stop_group(worker)
         worker_log.close()

@@ -12,6 +12,7 @@ from elmo_core.data.vocab import VocabConfig, build_vocab, read_vocab_file
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.ingest import IngestConfig, ingest
 from elmo_core.text.chars import raw_char_ids
+from tests.helpers import ingested
 
 CORPUS = [
     "b a c a .",
@@ -23,9 +24,7 @@ CORPUS = [
 
 @pytest.fixture()
 def corpus(tmp_path) -> Path:
-    (tmp_path / "c.txt").write_text("\n".join(CORPUS) + "\n", encoding="utf-8")
-    ingest(IngestConfig(sources=[str(tmp_path / "c.txt")], out=str(tmp_path / "ing"), heldout_fraction=0.0))
-    return tmp_path / "ing"
+    return ingested(tmp_path, CORPUS, "c.txt")
 
 
 def _query(db: Path, sql: str) -> list[tuple]:

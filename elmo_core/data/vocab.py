@@ -19,6 +19,7 @@ from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.ingest import shard_paths
 from elmo_core.options import SPLITS, VocabConfig
 from elmo_core.progress import track
+from elmo_core.stage import WholeStage
 from elmo_core.text.chars import (
     BOS_ID,
     BOS_TOKEN,
@@ -240,3 +241,12 @@ def _write_shard_ids(shard: str, value_set: pa.Array, targets: dict[str, Path]) 
                     writer.write_table(part)
         for writer in writers.values():
             writer.close()  # before atomic_path renames the files
+
+
+class VocabStage(WholeStage):
+    """The vocabulary as a stage, one unit (one DuckDB file); its result is ``corpus_stats``."""
+
+    name = "vocab"
+
+    def work(self, config: VocabConfig) -> dict[str, float]:
+        return build_vocab(config)

@@ -22,11 +22,12 @@ what is in), ``run`` (``ingest`` itself, file by file).
 from elmo_core.ingest.inputs import Input, detect_layout, file_format, find_inputs, find_sources
 from elmo_core.ingest.manifest import MANIFEST_NAME, dataset_options, manifest_path, open_manifest, option_changes
 from elmo_core.ingest.readers import BinaryFileError, FileStats, content_sha256
-from elmo_core.ingest.run import IngestSummary, ingest
+from elmo_core.ingest.run import IngestStage, IngestSummary, ingest
 from elmo_core.ingest.shards import SHARD_SCHEMA, _HashSet, sentence_hashes, shard_paths
 from elmo_core.options import IngestConfig
 
 __all__ = [
+    "IngestStage",
     "MANIFEST_NAME",
     "SHARD_SCHEMA",
     "BinaryFileError",

@@ -13,7 +13,7 @@ import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from elmo_core.errors import ConfigError, ElmoError, OutputError
+from elmo_core.errors import ConfigError, ElmoError, InputError, OutputError
 from elmo_core.fileio import FolderLock, temp_path
 from elmo_core.ingest.inputs import Input, file_format, find_sources
 from elmo_core.ingest.manifest import (
@@ -31,6 +31,7 @@ from elmo_core.ingest.readers import Counts, FileStats, content_sha256
 from elmo_core.ingest.shards import write_shard
 from elmo_core.options import IngestConfig
 from elmo_core.progress import Progress, track
+from elmo_core.stage import WholeStage
 from elmo_core.text.tokenize import get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,12 @@ class IngestSummary(Counts):
     def nothing_ingested(self) -> bool:
         """Every input failed: no dataset to go on with (some failures beside good files are only counted)."""
         return bool(self.files_failed) and not self.files_ingested and not self.files_skipped
+
+    def refusal(self) -> InputError | None:
+        """The error that ends a run where nothing could be ingested (each runner shows the files' errors first)."""
+        if not self.nothing_ingested:
+            return None
+        return InputError(f"no input could be ingested ({self.files_failed} failed): {'; '.join(self.errors)}")
 
     def line(self) -> str:
         mb = self.bytes_read / 1e6
@@ -206,3 +213,16 @@ def _same_split(path: Path, ingested: str, wanted: str, out: Path, as_path: str 
 def _token_count(shard: Path) -> int:
     table = pq.read_table(shard, columns=["n_tokens"])
     return int(pc.sum(table.column(0)).as_py() or 0)
+
+
+class IngestStage(WholeStage):
+    """Ingest as a stage, one unit (deduplication against one manifest is sequential). ``afresh_on_new_options``:
+    the main job's dataset, made anew when its options change."""
+
+    name = "ingest"
+
+    def __init__(self, afresh_on_new_options: bool = False) -> None:
+        self.afresh_on_new_options = afresh_on_new_options
+
+    def work(self, config: IngestConfig) -> IngestSummary:
+        return ingest(config, self.afresh_on_new_options)

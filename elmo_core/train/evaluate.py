@@ -18,6 +18,7 @@ from elmo_core.data.prefetch import to_tensors
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.options import PerplexityConfig
 from elmo_core.progress import track
+from elmo_core.stage import WholeStage
 from elmo_core.train.objective import LMObjective
 
 UNROLL_STEPS = 20  # windows of an evaluation: with the state carried, the numbers do not depend on it
@@ -182,3 +183,12 @@ def evaluate_export(model_dir: str, data: str, tracker: object | None = None) ->
         metrics = {f"{split}/{k}": v for split, r in scores.items() for k, v in r.items()}
         tracker.log_metrics(metrics, step=0)  # type: ignore[attr-defined]
     return scores
+
+
+class PerplexityStage(WholeStage):
+    """``elmo perplexity`` as a stage, one unit."""
+
+    name = "perplexity"
+
+    def work(self, config: PerplexityConfig) -> dict[str, float]:
+        return perplexity(config)

@@ -9,7 +9,8 @@ from pathlib import Path
 from elmo_core.bilm.model import BiLM
 from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
 from elmo_core.errors import CheckpointError
-from elmo_core.options import TrainConfig, validate
+from elmo_core.options import ExportConfig, TrainConfig, validate
+from elmo_core.stage import WholeStage
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -50,3 +51,12 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
     bilm.load_state_dict(weights)
     bilm.save_pretrained(str(out))
     return step, path
+
+
+class ExportStage(WholeStage):
+    """Export as a stage, one unit: (the step exported, the file it came from)."""
+
+    name = "export"
+
+    def work(self, config: ExportConfig) -> tuple[int, Path]:
+        return export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]

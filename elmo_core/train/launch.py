@@ -32,6 +32,7 @@ from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
+from elmo_core.stage import WholeStage
 from elmo_core.train.loop import train
 from elmo_core.train.run import TrainResult
 
@@ -266,3 +267,16 @@ def write_result(result: TrainResult) -> None:
     if target and this_process().main:
         data = {**result.__dict__, "model_dir": str(result.model_dir)}
         Path(target).write_text(json.dumps(data, default=str))
+
+
+class TrainStage(WholeStage):
+    """Training as a stage, one unit: its launcher owns the ranks (``launch``). ``on_line``: where rank 0's lines go
+    (the terminal, or a Prefect run's log)."""
+
+    name = "train"
+
+    def __init__(self, on_line: Callable[[str], None] = print) -> None:
+        self.on_line = on_line
+
+    def work(self, config: TrainConfig) -> TrainResult | None:
+        return launch(config, self.on_line)

@@ -47,6 +47,7 @@ from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
+from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
 from elmo_core.train.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
 
@@ -566,3 +567,12 @@ def polysemy_table(bilm: BiLM, sentences: list[list[str]]) -> list[str]:
     lines.append(" " * width + "  " + " ".join(f"{j:>5d}" for j in range(len(hits))))
     lines += [f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in similarity[j]) for j, label in enumerate(labels)]
     return lines
+
+
+class ProbeStage(WholeStage):
+    """A probe as a stage, one unit: the word-sense probe for a ``WsdConfig``, the tagging probe for a ``TagConfig``."""
+
+    name = "probe"
+
+    def work(self, config: WsdConfig | TagConfig) -> dict[str, Any]:
+        return run_wsd(config) if isinstance(config, WsdConfig) else run_tag(config)

@@ -120,34 +120,43 @@ class _Keys:
 class AnnIndex:
     """The shards of one column's index that still match the table, opened for queries."""
 
-    def __init__(self, folder: Path, header: Header, coverage: Coverage, nprobe: int | None = None) -> None:
+    def __init__(self, folder: Path, header: Header | None, coverage: Coverage, nprobe: int | None = None) -> None:
         self.folder, self.header, self.coverage = folder, header, coverage
-        self.nprobe = nprobe or header.nprobe
+        self.nprobe = nprobe or (header.nprobe if header else 1)
         self.shards = [Shard(folder, s, header, coverage.gone) for s in coverage.shards]
         self._keys_db: Any = None  # a DuckDB connection over the distinct keys, made by the first --like
 
     @classmethod
+    def none(cls, folder: Path, parts: dict[str, int]) -> AnnIndex:
+        """No index: zero shards, every part of the table left to an exact scan (what ``exact`` asks for too)."""
+        return cls(folder, None, Coverage([], [], set(), sorted(parts)))
+
+    @classmethod
     def open(
         cls, table: Path, column: str, parts: dict[str, int], model_id: str | None, nprobe: int | None = None
-    ) -> tuple[AnnIndex | None, str]:
-        """The index if one is there and is of this table's model and column, else None; and why, in one line."""
+    ) -> tuple[AnnIndex, str]:
+        """The index if one is there and is of this table's model and column, else ``none``; and why, in one line."""
         folder = index_dir(table, column)
         header = read_header(folder)
+        why = ""
         if header is None:
-            return None, f"no index of {column} (`elmo index {table}` makes one)"
-        if header.model_id != model_id:
-            return (
-                None,
+            why = f"no index of {column} (`elmo index {table}` makes one)"
+        elif header.model_id != model_id:
+            why = (
                 f"{folder}: an index of another model ({header.model_id}; the table's is {model_id}): "
-                "rerun `elmo index`",
+                "rerun `elmo index`"
             )
-        coverage = Coverage.of(read_shards(folder), parts)
-        if not coverage.shards:
-            return None, f"{folder}: no finished shard covers this table's parts; rerun `elmo index`"
-        return cls(folder, header, coverage, nprobe), coverage.line(folder)
+        else:
+            coverage = Coverage.of(read_shards(folder), parts)
+            if coverage.shards:
+                return cls(folder, header, coverage, nprobe), coverage.line(folder)
+            why = f"{folder}: no finished shard covers this table's parts; rerun `elmo index`"
+        return cls.none(folder, parts), f"exact scan of {len(parts)} parts; {why}"
 
     def describe(self) -> str:
         h = self.header
+        if h is None:
+            return "index parameters: none (an exact scan)"
         rows = sum(s.record.rows for s in self.shards)
         return (
             f"index parameters: faiss IVF{h.nlist},SQ8, inner product of normalized {h.column} "
@@ -183,6 +192,8 @@ class AnnIndex:
         """
         import faiss
 
+        if not self.shards:
+            return []
         want = candidates or max(4 * k, 50)
         q = normalized(np.asarray(query)[None, :])
         params = faiss.SearchParametersIVF(nprobe=self.nprobe)
@@ -223,6 +234,8 @@ class AnnIndex:
     def keys_like(self, pattern: str) -> list[str]:
         """Distinct keys whose lower case matches a SQL LIKE pattern (DuckDB over the shards' distinct keys, which
         it is given once)."""
+        if not self.shards:
+            return []
         if self._keys_db is None:
             import duckdb
 
