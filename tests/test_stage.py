@@ -1,0 +1,147 @@
+"""The stage protocol (``elmo_core/stage.py``) and its runners: every unit runs once, under the stage's claim, in
+this process or in workers with the same results; the main job's bookkeeping skips what did not change; the CLI and
+a Prefect flow of a stage write the same table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from elmo_core.stage import WholeStage, fingerprint_files, run_local, run_once
+from tests.helpers import ROOT, run_elmo
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    size: int
+
+
+@dataclass
+class Pieces:
+    folder: Path
+    units: list[Piece]
+
+
+class FilesStage:
+    """A stage whose units each write one file (with the pid that wrote it), for the runner's contract."""
+
+    name, counts = "files", "rows"
+
+    def __init__(self) -> None:
+        self.claimed: list[str] = []
+
+    @contextlib.contextmanager
+    def claim(self, folder: Path):
+        self.claimed.append("held")
+        yield
+        self.claimed.append("released")
+
+    def plan(self, folder: Path) -> Pieces:
+        folder.mkdir(exist_ok=True)
+        return Pieces(folder, [Piece(f"part-{i}", 10 + i) for i in range(5)])
+
+    def run_unit(self, plan: Pieces, unit: Piece, report=None) -> dict:
+        (plan.folder / unit.name).write_text(str(unit.size))
+        if report:
+            report(unit.size // 2)
+        return {"name": unit.name, "pid": os.getpid()}
+
+    def finish(self, plan: Pieces, results: list[dict], seconds: float) -> list[dict]:
+        return results
+
+
+def test_run_local_runs_every_unit_once_under_the_claim_in_unit_order(tmp_path):
+    stage = FilesStage()
+    results = run_local(stage, tmp_path / "out")
+    assert [r["name"] for r in results] == [f"part-{i}" for i in range(5)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"part-{i}" for i in range(5)]
+    assert stage.claimed == ["held", "released"] and {r["pid"] for r in results} == {os.getpid()}
+
+
+def test_run_local_with_workers_gives_the_same_results_from_other_processes(tmp_path):
+    results = run_local(FilesStage(), tmp_path / "out", workers=2)
+    assert [r["name"] for r in results] == [f"part-{i}" for i in range(5)]  # in unit order, whoever finished first
+    assert os.getpid() not in {r["pid"] for r in results}
+    assert [(tmp_path / "out" / f"part-{i}").read_text() for i in range(5)] == [str(10 + i) for i in range(5)]
+
+
+def test_a_whole_stage_is_one_unit_whose_work_is_the_result(tmp_path):
+    class Doubling(WholeStage):
+        name = "double"
+
+        def work(self, options: int) -> int:
+            return 2 * options
+
+    plan = Doubling().plan(21)
+    assert [u.name for u in plan.units] == ["double"] and run_local(Doubling(), 21) == 42
+
+
+def test_run_once_skips_a_stage_whose_inputs_did_not_change(tmp_path):
+    calls = []
+
+    def work() -> dict:
+        calls.append(1)
+        return {"n": len(calls)}
+
+    folder = tmp_path / "stage"
+    assert run_once(folder, "a", work) == {"n": 1}
+    assert run_once(folder, "a", work) == {"n": 1} and len(calls) == 1  # skipped: same inputs
+    assert run_once(folder, "b", work) == {"n": 2}  # other inputs: done again
+    (folder / "checkpoint").write_text("of inputs b")
+    assert run_once(folder, "c", work, fresh_start=True) == {"n": 3} and not (folder / "checkpoint").exists()
+    stamp = json.loads((folder / "_stage.json").read_text())
+    assert stamp == {"fingerprint": "c", "status": "done", "result": {"n": 3}}
+
+
+def test_a_stage_interrupted_is_done_again_with_the_same_inputs(tmp_path):
+    folder = tmp_path / "stage"
+
+    def dies() -> dict:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_once(folder, "a", dies)
+    assert json.loads((folder / "_stage.json").read_text())["status"] == "started"
+    assert run_once(folder, "a", lambda: {"ok": True}) == {"ok": True}
+
+
+def test_a_fingerprint_follows_the_files_and_the_options(tmp_path):
+    (tmp_path / "a.txt").write_text("one")
+    first = fingerprint_files([tmp_path / "a.txt"], {"min_count": 2})
+    assert fingerprint_files([tmp_path / "a.txt"], {"min_count": 2}) == first
+    assert fingerprint_files([tmp_path / "a.txt"], {"min_count": 3}) != first
+    (tmp_path / "a.txt").write_text("one more")
+    assert fingerprint_files([tmp_path / "a.txt"], {"min_count": 2}) != first
+
+
+def _table(folder: Path) -> dict[str, list]:
+    return {p.name: pq.read_table(p).to_pylist() for p in sorted(folder.glob("part-*.parquet"))}
+
+
+@pytest.mark.slow
+@pytest.mark.prefect
+def test_the_cli_and_the_prefect_flow_of_a_stage_write_the_same_table(tmp_path, allennlp_dir):
+    """``elmo embed`` and the embed flow run the same units: the same files, the same rows, the same vectors."""
+    from elmo_core.options import EmbedConfig
+    from flows.embed import embed_flow
+
+    source = ROOT / "data" / "probes" / "apple.txt"
+    options = ["--unit-tokens", "40", "--tokenizer", "unicode"]
+    cli = run_elmo(
+        "embed", "--model", str(allennlp_dir), "--input", str(source), "--out", str(tmp_path / "cli"), *options
+    )
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    config = EmbedConfig(
+        model=str(allennlp_dir), input=str(source), out=str(tmp_path / "flow"), unit_tokens=40, tokenizer="unicode"
+    )
+    summary = embed_flow(config)
+    by_cli, by_flow = _table(tmp_path / "cli"), _table(tmp_path / "flow")
+    assert len(by_cli) > 1 and summary["files"] == len(by_cli)  # several units, as many files
+    assert by_cli == by_flow
