@@ -97,6 +97,22 @@ def test_other_options_are_named_in_the_refusal(tmp_path, allennlp_dir):
         embed(EmbedConfig(model=str(allennlp_dir), input=str(text), out=str(out), layers="all"))
 
 
+def test_options_of_how_a_job_runs_do_not_make_it_another_job(tmp_path, allennlp_dir):
+    """Where and how it runs (device, batch size, waiting, an index after it) is not what the table is: a rerun with
+    other such options finds the same job done, while an option of what the vectors are makes another job."""
+    out = tmp_path / "emb"
+    text = _write(tmp_path / "a.txt", A)
+    first = embed(EmbedConfig(model=str(allennlp_dir), input=str(text), out=str(out)))
+    again = embed(
+        EmbedConfig(
+            model=str(allennlp_dir), input=str(text), out=str(out), device="cpu", max_batch_tokens=64, wait=True
+        )
+    )
+    assert again.units_done_before == again.units == first.units
+    with pytest.raises(OutputError, match=r"options dtype 'float32' → 'float16'"):
+        embed(EmbedConfig(model=str(allennlp_dir), input=str(text), out=str(out), dtype="float16"))
+
+
 def test_a_failed_start_leaves_nothing_behind(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     with pytest.raises(InputError):
