@@ -1,11 +1,11 @@
 """A stage of the pipeline as one protocol: claim its output, plan it, run its units, finish it.
 
-Every stage that does work in pieces (embed, index; ingest, vocab, train, export and evaluate as one unit each)
-is a ``Stage``. Its options are resolved once, in ``plan`` (device, precision, the job's identity, what is already
+Every stage is a ``Stage``: embed and index in many units; ingest, vocab, train, export, perplexity and the probes in
+one (``WholeStage``). Its options are resolved once, in ``plan`` (device, precision, the job's identity, what is already
 done), and everything after reads the plan:
 
     with stage.claim(options):                  the output folder's one-writer lock, held by the runner's process
-        plan = stage.plan(options)              options → a Plan: what to do, as units (JSON-able, picklable)
+        plan = stage.plan(options)              options → a Plan: what to do, as units (picklable)
         results = [stage.run_unit(plan, u) for u in plan.units]     anywhere: this process, workers, a cluster
         summary = stage.finish(plan, results, seconds)              the table made whole, a summary with .line()
 
@@ -140,7 +140,7 @@ def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: Options
             else:
                 for unit, result in _in_processes(stage, plan, units, workers):
                     results[unit.name] = result
-                    progress.advance(unit.size, unit.name)
+                    _Tally(progress).done(unit, unit.name)
         return stage.finish(plan, [results[u.name] for u in units], time.perf_counter() - started)
 
 

@@ -146,17 +146,18 @@ def test_elmo_core_imports_without_prefect_or_mlflow():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _import_names(node: ast.AST) -> list[str]:
+    """The modules an import statement names (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+
+
 def test_no_module_of_elmo_core_imports_flows_or_prefect():
     for path in (ROOT / "elmo_core").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
+            names = _import_names(node)
             for name in names:
                 assert not name.startswith(("flows", "prefect")), f"{path.name} imports {name}"
                 if name.startswith("mlflow"):
@@ -224,13 +225,7 @@ SQL = re.compile(r"\b(SELECT|INSERT|CREATE\s+(TABLE|VIEW))\b", re.IGNORECASE)
 def _runner_breaches(path: Path) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = (
-            [a.name for a in node.names]
-            if isinstance(node, ast.Import)
-            else [node.module or ""]
-            if isinstance(node, ast.ImportFrom)
-            else []
-        )
+        names = _import_names(node)
         found += [f"imports {n}" for n in names if n.split(".")[0] in COMPUTE]
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.search(node.value):
             found.append(f"SQL {node.value[:40]!r}")
