@@ -277,8 +277,11 @@ def main_job(args: argparse.Namespace) -> None:
 _MAIN_JOB_WORKER = """
 import sys, time
 from elmo_core.options import CPU_TRAIN_OPTIONS, TrainConfig
-import elmo_core.train.loop as train
-from elmo_core.train.loop import setup
+try:
+    import elmo_core.train.loop as train
+except ImportError:  # before the trainer was a package
+    import elmo_core.train as train
+setup = train.setup
 step = getattr(train, "train_step", None) or train.step  # named step before it was train_step
 options = CPU_TRAIN_OPTIONS.model_dump(exclude={"bf16", "resume"})
 options.update(tracking="none", device="cpu", max_steps=10**9)
