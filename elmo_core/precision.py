@@ -7,7 +7,7 @@ cell state, the gate arithmetic and the loss stay float32 (``model.LstmCell`` ca
 
 On a CPU without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake, Arm without bf16) oneDNN emulates
 bf16, and a run is not slower but unusable: the small shape embedded at 25 tokens/s against 1,600 in fp32 on an
-AVX2-only EPYC. So ``bf16`` is refused there in one line that gives the slowdown measured on that CPU (one product
+AVX2-only EPYC (``bench/embed_throughput.py``). So ``bf16`` is refused there in one line that gives the slowdown measured on that CPU (one product
 timed both ways), and ``auto`` takes fp32; ``ELMO_ALLOW_EMULATED_BF16=1`` runs it anyway (to check a bf16 config on
 a laptop before a GPU run), with that line as a warning. ``cpu.py``'s ``ELMO_CPU_ISA=avx2`` makes a CPU with bf16
 behave as one without (how the tests and CI exercise this path anywhere).
@@ -64,7 +64,7 @@ ALLOW_EMULATED_BF16 = "ELMO_ALLOW_EMULATED_BF16"
 @lru_cache(maxsize=1)
 def emulated_bf16_slowdown() -> float:
     """How many times slower a bf16 product runs than the same fp32 one on this CPU: a (64 x 512) @ (512 x 4096)
-    product, the small shape's LSTM step, timed both ways (best of 3, about 10 ms where bf16 is native)."""
+    product, the small shape's LSTM step, timed both ways (best of 3)."""
     x, w = torch.randn(64, 512), torch.randn(512, 4096)
 
     def best(a: torch.Tensor, b: torch.Tensor) -> float:

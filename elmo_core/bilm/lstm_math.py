@@ -25,8 +25,8 @@ def reference_gates(z: Tensor, c: Tensor, cell_clip: float | None) -> tuple[Tens
 
     One chunk into the four gates, each activated on its own: under autograd the backward is then one
     concatenation of the four gate gradients. Slices of one sigmoid over all of z (the same numbers) cost five
-    zero-filled gradients of z's size and their sum per step: 4-21% of the LSTM's forward and backward in training,
-    measured."""
+    zero-filled gradients of z's size and their sum per step, a share of the LSTM's forward and backward in
+    training."""
     i, f, g, o = z.chunk(4, dim=-1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     if cell_clip is not None:

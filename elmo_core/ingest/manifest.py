@@ -66,8 +66,8 @@ def open_manifest(out: Path, memory_limit: str = "2GB") -> duckdb.DuckDBPyConnec
     _adopt_legacy_manifest(out)
     con = duckdb.connect(str(manifest_path(out)))
     con.execute("SET memory_limit = ?", [memory_limit])
-    # its queries here are small (hash a block, probe the seen table): a second thread only burns CPU
-    # (15% of ingest's CPU time measured on 2 cores) that the Parquet writer thread could use
+    # its queries here are small (hash a block, probe the seen table): a second thread only burns CPU that the
+    # Parquet writer thread could use
     con.execute("SET threads = 1")
     con.execute("SET temp_directory = ?", [str(out / "_duckdb_tmp")])
     con.execute(MANIFEST_DDL)

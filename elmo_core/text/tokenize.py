@@ -37,7 +37,7 @@ def whitespace_tokens(text: str) -> list[str]:
 def split_whitespace(texts: pa.StringArray, source: bytes | None = None) -> pa.ListArray:
     """``str.split()`` of every text, with Arrow's C++ splitters (no Python per sentence).
 
-    Arrow's Unicode splitter breaks on exactly ``str.split``'s characters; its ASCII one is 2.5x faster and
+    Arrow's Unicode splitter breaks on exactly ``str.split``'s characters; its ASCII one is faster and
     agrees with it unless a text holds one of the rarer separators, so it is used when none occurs.
     ``source``: bytes that hold all of the texts (the block they were cut from), checked for those
     separators instead of a copy of the texts. Texts must be trimmed: Arrow turns a leading separator into

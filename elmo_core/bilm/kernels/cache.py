@@ -2,7 +2,7 @@
 inference calls and rebuilt when a parameter changes.
 
 Why: building them costs as much as several forward passes on small batches (the bf16 ``[W_ih; W_hh]`` of the
-original shape took 47 ms of a 1 s call), so a prepared model makes them once. A parameter changes in place
+original shape above all), so a prepared model makes them once. A parameter changes in place
 (an optimizer step, ``load_state_dict``, a user's ``with torch.no_grad(): w += ...``) or is replaced (``.to()``);
 the key notices both: every parameter's storage address and its version counter, which PyTorch bumps on each
 in-place write. ``Tensor._version`` is not public API, but it is what autograd itself relies on to detect such

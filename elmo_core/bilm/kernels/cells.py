@@ -5,11 +5,11 @@ It computes what ``model.LstmCell`` (the reference) computes, with the weights p
 
 * **fp32**: the weights stacked and transposed; the per-step products on weights packed for oneDNN where they are
   large enough to pay (``packed.py``), and then each step takes its input with the state in one product,
-  ``[x_t; h] @ [W_ih; W_hh]`` as TensorFlow does (3-6.5% faster on the medium and original shapes, and no
+  ``[x_t; h] @ [W_ih; W_hh]`` as TensorFlow does (faster on the medium and original shapes, and no
   (2, N, 4H) tensor of input gates: 1 GB for a batch of 8,192 tokens of the original shape).
 * **bf16**: bfloat16 weights with float32 accumulation, cell state and gate arithmetic; the g-gate rows scaled by 2
   so that one sigmoid serves all four gates (tanh(x) = 2 sigmoid(2x) - 1); each step's input always fused with
-  the state (10-18% faster on the small shape than separate input gates).
+  the state (faster on the small shape than separate input gates).
 * **int8**: as fp32, with every per-step product (input with state, recurrent, projection) on int8 weights with
   activations quantized per call (``int8.py``); layer 0's per-word input gates, the gates and the state stay fp32.
 
@@ -54,8 +54,8 @@ def _stacked(pair: Sequence[nn.LSTM], name: str) -> Tensor:
 
 def _plus(products: Tensor | Sequence[Tensor], add: Tensor) -> Tensor:
     """Per-direction products (rows, N) plus ``add`` (D, rows or 1, N), in float32, written into one (D, rows, N)
-    tensor (no separate stack and add). A bf16 product is copied, then added to: one add with mixed dtypes measured
-    2-3x slower."""
+    tensor (no separate stack and add). A bf16 product is copied, then added to: one add with mixed dtypes is
+    slower."""
     first = products[0]
     out = torch.empty(len(products), *first.shape, dtype=torch.float32)
     for d, y in enumerate(products):

@@ -2,13 +2,15 @@
 gradient goes only to the position each max came from, in a C loop (``char_cnn.c``). For training on a CPU.
 
 Why: after the LSTM step became one node (``trained_step``), the char CNN's backward was the largest single
-operation of the main job's step: oneDNN's dense convolution backward, 15% of it, three times the forward. But
+operation of the main job's step: oneDNN's dense convolution backward, 14-15% of it, three times the forward
+(``bench/train_profile.py`` on the 2-vCPU AMD EPYC with avx512_bf16). But
 bilm-tf's char CNN takes the max over positions before its activation, and a max's gradient is zero at every
 position but one, so that backward computes (words x filters x positions) products of which one position per word
 and filter is nonzero. Here: the forward is the same oneDNN convolution and max pooling, which also gives the
 positions; the backward reads each (word, filter)'s gradient once and adds it at its position only, into the
 weights' gradient and straight into the char embedding table's (the lookup's backward folded in). On the main
-job's batches the char CNN's forward and backward went from about 9.6 to 2.9 ms (bf16, 2 threads).
+job's batches the char CNN's forward and backward went from about 9.6 to 2.9 ms (bf16, 2 threads, the same
+profile).
 
 The numbers are the reference's (``model.CharCNN``): max pooling's first position among equal values, the embedding
 table's padding row given no gradient; fp32 to float rounding. Under bf16 autocast the forward runs in bfloat16 as

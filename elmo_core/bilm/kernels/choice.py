@@ -94,7 +94,7 @@ class Kernels:
 
     def token_encoder(self, encoder: nn.Module) -> nn.Module:
         """The token encoder to run: in bf16 on the CPU, a bfloat16 copy made once per weight version (autocast
-        would cast the same weights on every call, about 2.5% of a small-shape bf16 call; the numbers are the same)."""
+        would cast the same weights on every call; the numbers are the same)."""
         if not (self.cpu_cells and self.precision == "bf16"):
             return encoder
         return self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))

@@ -2,7 +2,7 @@
 
 Why: with the products on packed weights (``packed.py``), what was left of a step was PyTorch's separate passes
 over the (2, rows, 4H) pre-activations: the bias or input-gate add, a float32 copy of the bf16 product, sigmoid,
-tanh, slices, products, clamp and casts, about 20% of an original-shape bf16 call. The C loop reads each element
+tanh, slices, products, clamp and casts, a share of the call that grows with the shape. The C loop reads each element
 once and writes the cell state and the cell output (already in the dtype the projection takes).
 
 The sources (``lstm_gates.c``, and ``char_cnn.c`` for training's char CNN) are compiled into one library with the

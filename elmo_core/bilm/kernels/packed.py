@@ -3,8 +3,9 @@
 Why: each LSTM time step multiplies only the rows still running (often 1-64) by a large weight (512 x 16384 on
 the original shape). ``torch.bmm`` then re-packs the whole weight on every call, which costs as much as the
 product itself at these row counts. Packing once per weight version and calling oneDNN's linear on the packed
-weight measured 1.6x (fp32) and 1.3x (bf16) faster per step at 64 rows, and 2-5x at a handful of rows (the
-long sentences' tail). The numbers are the same products in the same precision (float32 accumulation both ways).
+weight is faster per step, most at a handful of rows (the long sentences' tail); ``bench/embed_throughput.py``
+with and without ``ELMO_NO_PACKED_WEIGHTS=1`` measures it on a shape. The numbers are the same products in the
+same precision (float32 accumulation both ways).
 
 ``ELMO_NO_PACKED_WEIGHTS=1`` turns this off (plain ``bmm``), as does a torch build without oneDNN or a CPU it cannot
 pack for in the run's dtype (probed per dtype: bf16 packing needs AVX-512 or AVX-NE-CONVERT); which weights of a
@@ -25,8 +26,8 @@ from elmo_core import cpu
 log = logging.getLogger(__name__)
 
 ROWS_HINT = 64  # the row count oneDNN tunes the packing for; measured insensitive from 16 rows up
-# Weights smaller than this (per direction) stay with bmm: on the small shape (256 x 4096 at most) packing measured no
-# gain in fp32 and 5% slower in bf16, where two calls per step cost more than the re-packing they save.
+# Weights smaller than this (per direction) stay with bmm: on the small shape (256 x 4096 at most) packing gained nothing
+# in fp32 and lost in bf16, where two calls per step cost more than the re-packing they save.
 MIN_ELEMENTS = 1 << 21
 
 
