@@ -26,7 +26,8 @@ from elmo_core.text.tokenize import TokenizerName
 log = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16"]  # training's
-# inference's: int8 runs the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: docs/precision.md)
+# inference's: int8 runs the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is
+# emulated: docs/precision.md)
 InferencePrecision = Literal["fp32", "bf16", "int8"]
 
 

@@ -7,10 +7,10 @@ cell state, the gate arithmetic and the loss stay float32 (``model.LstmCell`` ca
 
 On a CPU without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake, Arm without bf16) oneDNN emulates
 bf16, and a run is not slower but unusable: the small shape embedded at 25 tokens/s against 1,600 in fp32 on an
-AVX2-only EPYC (``bench/embed_throughput.py``). So ``bf16`` is refused there in one line that gives the slowdown measured on that CPU (one product
-timed both ways), and ``auto`` takes fp32; ``ELMO_ALLOW_EMULATED_BF16=1`` runs it anyway (to check a bf16 config on
-a laptop before a GPU run), with that line as a warning. ``cpu.py``'s ``ELMO_CPU_ISA=avx2`` makes a CPU with bf16
-behave as one without (how the tests and CI exercise this path anywhere).
+AVX2-only EPYC (``bench/embed_throughput.py``). So ``bf16`` is refused there in one line that gives the slowdown
+measured on that CPU (one product timed both ways), and ``auto`` takes fp32; ``ELMO_ALLOW_EMULATED_BF16=1`` runs it
+anyway (to check a bf16 config on a laptop before a GPU run), with that line as a warning. ``cpu.py``'s
+``ELMO_CPU_ISA=avx2`` makes a CPU with bf16 behave as one without (how the tests and CI exercise this path anywhere).
 
 ``int8`` (inference on the CPU only, never chosen by ``auto``): the LSTM step's products on int8 weights, about 2x
 fp32 on the original shape where bf16 is not native (``kernels/int8.py``); training takes fp32 or bf16.

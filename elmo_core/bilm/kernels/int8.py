@@ -5,7 +5,8 @@ path, and the per-step products are most of an original-shape call. PyTorch's dy
 int8 weights (per output channel, quantized once per weight version) with each call's activations quantized per
 tensor on the fly, through fbgemm (AVX2, AVX-512 VNNI) or oneDNN: 1.9-2.0x fp32 on the original shape, measured
 (``bench/int8_inference.py`` on the 2-vCPU AMD EPYC with avx512_bf16), with a per-token cosine to fp32 of at least
-0.999 at the 0.1% quantile in every layer on real text. The layer-0 input gates (once per distinct word), the bias, the gates and the cell state stay float32.
+0.999 at the 0.1% quantile in every layer on real text. The layer-0 input gates (once per distinct word), the
+bias, the gates and the cell state stay float32.
 
 On x86 the activations use 7 bits (``reduce_range``): fbgemm's AVX2 products sum pairs of int8 x uint8 in int16,
 which 8-bit activations can saturate. PyTorch 2.13 marks the quantized tensors these ops rest on as deprecated: the

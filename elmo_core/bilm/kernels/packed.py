@@ -26,8 +26,8 @@ from elmo_core import cpu
 log = logging.getLogger(__name__)
 
 ROWS_HINT = 64  # the row count oneDNN tunes the packing for; measured insensitive from 16 rows up
-# Weights smaller than this (per direction) stay with bmm: on the small shape (256 x 4096 at most) packing gained nothing
-# in fp32 and lost in bf16, where two calls per step cost more than the re-packing they save.
+# Weights smaller than this (per direction) stay with bmm: on the small shape (256 x 4096 at most) packing gained
+# nothing in fp32 and lost in bf16, where two calls per step cost more than the re-packing they save.
 MIN_ELEMENTS = 1 << 21
 
 
