@@ -1,5 +1,5 @@
 """Shared bits of the flows: environment defaults (set before Prefect is imported), progress in the Prefect UI,
-one-line failures, and input fingerprints."""
+one-line failures, the retry policy, and ``run_stage``: the Prefect runner of a stage (``elmo_core.stage``)."""
 
 import functools
 import logging

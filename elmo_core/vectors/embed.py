@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 
 JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
-# options that do not change the table (where it runs, how it is batched, how a conflict is resolved)
 LOCK_NAME = "lock"  # in the work folder: the one-writer lock of OUT (fileio.FolderLock)
 
 
@@ -386,7 +385,7 @@ class Embedder:
         target = out / unit.name
         if target.exists():
             rows = pq.ParquetFile(target).metadata.num_rows
-            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), _threads())
+            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), torch.get_num_threads())
         started = time.perf_counter()
         group = pq.ParquetFile(unit.shard).read_row_group(
             unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"]
@@ -408,7 +407,9 @@ class Embedder:
                     writer.write_table(table)
                     rows += table.num_rows
         seconds = time.perf_counter() - started
-        return UnitResult(unit.name, rows, sum(len(s) for s in sentences), seconds, False, os.getpid(), _threads())
+        return UnitResult(
+            unit.name, rows, sum(len(s) for s in sentences), seconds, False, os.getpid(), torch.get_num_threads()
+        )
 
     def _batches(self, sentences: list[list[str]]) -> list[list[int]]:
         lengths = [len(s) for s in sentences]
@@ -465,10 +466,6 @@ class Embedder:
             data[name] = pa.FixedSizeListArray.from_arrays(pa.array(layer.reshape(-1)), width)
         data["model_id"] = pa.repeat(pa.scalar(self.model_id, pa.string()), n_rows)
         return pa.table(data, schema=self.schema)
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
 
 
 # what the summary offers to try on a table (shown, never run: the folder is part of the text on purpose)
