@@ -24,7 +24,7 @@ import logging
 import multiprocessing
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,7 @@ from elmo_core.progress import track
 log = logging.getLogger(__name__)
 
 OptionsT = TypeVar("OptionsT", contravariant=True)
-PlanT = TypeVar("PlanT")
+PlanT = TypeVar("PlanT", bound="Plan")
 ResultT = TypeVar("ResultT")
 SummaryT = TypeVar("SummaryT", covariant=True)
 
@@ -53,12 +53,10 @@ class Unit(Protocol):
 
 
 class Plan(Protocol):
+    """What a stage's plan offers every runner: its units (the rest is the stage's own)."""
+
     @property
-    def units(self) -> Sequence[Any]: ...
-
-
-class Summary(Protocol):
-    def line(self) -> str: ...
+    def units(self) -> Sequence[Unit]: ...
 
 
 class Stage(Protocol[OptionsT, PlanT, ResultT, SummaryT]):
@@ -118,7 +116,7 @@ class WholeStage:
         raise NotImplementedError
 
 
-def _run_in_worker(stage: Stage, plan: Any, unit: Any) -> Any:
+def _run_in_worker(stage: Stage, plan: Plan, unit: Unit) -> Any:
     cpu.apply_thread_share()  # the environment cpu.worker_env gave this process: its share of the cores
     return stage.run_unit(plan, unit)
 
@@ -129,7 +127,7 @@ def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: Options
     started = time.perf_counter()
     with stage.claim(options):
         plan = stage.plan(options)
-        units = list(plan.units)  # type: ignore[attr-defined]
+        units = list(plan.units)
         results: dict[str, ResultT] = {}
         with _bar(stage, units) as progress:
             if workers <= 1 or len(units) <= 1:
@@ -144,7 +142,7 @@ def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: Options
         return stage.finish(plan, [results[u.name] for u in units], time.perf_counter() - started)
 
 
-def _bar(stage: Stage, units: list[Any]) -> contextlib.AbstractContextManager[Any]:
+def _bar(stage: Stage, units: list[Unit]) -> contextlib.AbstractContextManager[Any]:
     """The stage's progress bar, counted in its units' sizes; none where the stage's work shows its own."""
     return track(stage.name, sum(u.size for u in units), stage.counts) if stage.counts else contextlib.nullcontext()
 
@@ -160,12 +158,12 @@ class _Tally:
         if self.progress is not None:
             self.progress.advance(amount)
 
-    def done(self, unit: Any, info: str) -> None:
+    def done(self, unit: Unit, info: str) -> None:
         if self.progress is not None:
             self.progress.advance(max(0, unit.size - self.reported), info)
 
 
-def _in_processes(stage: Stage, plan: Any, units: list[Any], workers: int) -> Any:
+def _in_processes(stage: Stage, plan: Plan, units: list[Unit], workers: int) -> Iterator[tuple[Unit, Any]]:
     """(unit, result) as each finishes in one of ``workers`` spawned processes."""
     spawn = multiprocessing.get_context("spawn")
     with cpu.environment(cpu.worker_env(workers)), ProcessPoolExecutor(workers, mp_context=spawn) as pool:

@@ -132,17 +132,18 @@ class EmbeddingStore:
 
     def locate(self, token: str, text: str | None = None, sentence_id: str | None = None) -> tuple[str, int, str]:
         """The first use of ``token`` (by sentence_id, token_index), in the given sentence if one is given."""
-        found = self._find(self._token_table(), token, text, sentence_id)
+        column = self._token_column()
+        found = self._find(self.index(column), column, token, text, sentence_id)
         return found.sentence_id, found.token_index, found.text
 
-    def _token_table(self, layer: str | None = None) -> str:
+    def _token_column(self, layer: str | None = None) -> str:
+        """The vector column of a token table (a pooled one has no tokens to start from)."""
         if self.pooled:
             raise ConfigError(f"{self.path}: this table is pooled per sentence; use similar_sentences (--similar-to)")
         return self.vector_column(layer)
 
-    def _find(self, column: str, token: str, text: str | None, sentence_id: str | None) -> Found:
+    def _find(self, index: ann.AnnIndex, column: str, token: str, text: str | None, sentence_id: str | None) -> Found:
         """The first use of ``token``: from the index's shards and the scanned parts, whichever comes first."""
-        index = self.index(column)
         found = []
         hit = index.locate(token, sentence_id, text)
         if hit is not None:
@@ -176,9 +177,9 @@ class EmbeddingStore:
     ) -> list[Neighbour]:
         """Tokens-in-context nearest to ``token`` as used in the given sentence (``like``: a LIKE filter on tokens,
         answered exactly over the matching tokens' rows)."""
-        column = self._token_table(layer)
-        query = self._find(column, token, text, sentence_id)
+        column = self._token_column(layer)
         index = self.index(column)
+        query = self._find(index, column, token, text, sentence_id)
 
         def itself(row: ann.Row) -> bool:
             return row.sentence_id == query.sentence_id and row.token_index == query.token_index
