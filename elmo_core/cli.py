@@ -35,6 +35,7 @@ from elmo_core.options import (
     Options,
     PerplexityConfig,
     QueryConfig,
+    ServeConfig,
     TagConfig,
     TrainConfig,
     VocabConfig,
@@ -289,6 +290,13 @@ def cmd_query(config: QueryConfig) -> None:
         print(f"{n.similarity:7.4f}  {n.token:<15} {n.text}")
 
 
+def cmd_serve(config: ServeConfig) -> None:
+    from elmo_core.serve.run import serve
+
+    served = serve(config)  # until SIGTERM or Ctrl-C, which drain the requests in flight
+    print(f"elmo serve: stopped ({served.url})")
+
+
 def cmd_probe(config: WsdConfig | TagConfig) -> None:
     from elmo_core.stage import run_local
     from elmo_core.vectors import probe
@@ -414,6 +422,17 @@ COMMANDS: dict[str, Command] = {
             "Index one vector column of the table (faiss IVF, 8-bit codes, exact re-ranking) in TABLE/_index/. "
             "A rerun adds only parts the index does not cover; `elmo query` uses it by itself. "
             "Example: elmo index data/embed --workers 2"
+        ),
+    ),
+    "serve": Command(
+        options=ServeConfig,
+        handler=cmd_serve,
+        positional=("model",),
+        help="vectors on request over HTTP: concurrent requests batched by tokens",
+        description=(
+            "Serve a biLM: POST /embed (layers, mix or mean), POST /v1/embeddings (OpenAI's schema), /health, "
+            "/ready, /info, /metrics. Example: elmo serve data/export  then  curl -s localhost:8080/embed "
+            "-H 'content-type: application/json' -d '{\"sentences\": [\"I ate an apple .\"]}'"
         ),
     ),
     "info": Command(

@@ -411,6 +411,50 @@ class IndexConfig(Options):
     )
 
 
+class ServeConfig(Options):
+    """``elmo serve``: a biLM answering HTTP requests, concurrent requests packed into shared forward passes."""
+
+    model: str = Field(
+        description="model directory (options.json + weights.hdf5), models:/NAME/VERSION, runs:/RUN/model, or a "
+        "published options.json (with --weight-file)"
+    )
+    weight_file: str | None = Field(None, description="the weights.hdf5 of a published options.json given as MODEL")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface; then set an API key)")
+    port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: a free one, printed)")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
+        "fp32", description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8"
+    )
+    tokenizer: TokenizerName = Field("whitespace", description="how raw text is tokenized (as `elmo embed` does)")
+    max_batch_tokens: int = Field(8192, gt=0, description="tokens per forward pass, from however many requests")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="how long a forward pass with room left waits for more requests to join it"
+    )
+    max_queue_tokens: int = Field(
+        65_536, gt=0, description="tokens accepted and not yet answered; past it a request gets 429 with Retry-After"
+    )
+    max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413")
+    max_sentences: int = Field(256, gt=0, description="sentences of one request; more: 413")
+    max_body_bytes: int = Field(4 << 20, gt=0, description="bytes of one request body, checked before it is parsed")
+    workers: int = Field(1, gt=0, description="model processes, each with its share of the cores")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' (or set ELMO_API_KEY, which ps does not show)"
+    )
+    batching: bool = Field(True, description="pack concurrent requests together (off: one request per forward pass)")
+    drain_seconds: float = Field(30.0, gt=0, description="on SIGTERM, how long requests in flight may take to finish")
+
+    @model_validator(mode="after")
+    def _sentence_fits_a_batch(self) -> ServeConfig:
+        if self.max_sentence_tokens > self.max_batch_tokens:
+            raise ValueError(
+                f"max_sentence_tokens ({self.max_sentence_tokens}) is larger than max_batch_tokens "
+                f"({self.max_batch_tokens}): a sentence must fit one forward pass"
+            )
+        if self.max_sentence_tokens > self.max_queue_tokens:
+            raise ValueError("max_sentence_tokens is larger than max_queue_tokens: a sentence must fit the queue")
+        return self
+
+
 class InfoConfig(Options):
     model: str | None = Field(
         None, description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI"

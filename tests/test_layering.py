@@ -29,6 +29,7 @@ LAYERS = [
     "train",  # training, on one process or launched on several
     "vectors",  # embeddings, the nearest-neighbour index, queries, probes
     "allennlp",  # AllenNLP's ELMo surface on this project
+    "serve",  # vectors on request over HTTP
     "cli",  # entry points
 ]
 
@@ -51,6 +52,7 @@ ROOMS = {
     "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
+    "serve": ["api", "compute", "workers", "metrics", "batcher", "app", "run", "__init__"],
 }
 
 

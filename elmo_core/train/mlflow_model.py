@@ -1,8 +1,11 @@
 """The MLflow model of a trained biLM ("models from code": MLflow loads this file, nothing is unpickled).
 
-``predict`` takes sentences (strings split on whitespace, or token lists) and returns, per sentence, the
-average of the biLM's layers as a nested list (n_tokens x 2P). The bilm-tf files are the model's artifact
-``elmo`` (options.json, weights.hdf5, vocab.txt).
+``predict`` takes sentences (a ``sentence`` column of whitespace-tokenized strings; called directly, token lists
+too) and returns, per sentence, the scalar mix with equal weights (the average of the biLM's layers) as a nested
+list (n_tokens x 2P), or with ``params={"pooled": True}`` that mix averaged over the tokens (2P), the vector
+``elmo serve`` gives as ``mean``. The signature it is logged with (``tracking.pyfunc_signature``) says so to
+``mlflow models serve`` and its clients.
+The bilm-tf files are the model's artifact ``elmo`` (options.json, weights.hdf5, vocab.txt).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ class ElmoPyfunc(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):
         rows = model_input["sentence"].tolist() if hasattr(model_input, "columns") else list(model_input)
         sentences = [r.split() if isinstance(r, str) else list(r) for r in rows]
-        return [v.mean(axis=0).tolist() for v in self.bilm.embed_sentences(sentences)]
+        pooled = bool((params or {}).get("pooled", False))
+        mixed = [v.mean(axis=0) for v in self.bilm.embed_sentences(sentences)]
+        return [m.mean(axis=0).tolist() if pooled else m.tolist() for m in mixed]
 
 
 set_model(ElmoPyfunc())

@@ -158,6 +158,17 @@ class _MetricQueue:
         return len(self._pending)
 
 
+def pyfunc_signature() -> Any:
+    """What the pyfunc model (``mlflow_model.py``) takes: a ``sentence`` column of whitespace-tokenized text, and
+    ``pooled`` (false: a vector per token; true: one per sentence)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "sentence")]), params=ParamSchema([ParamSpec("pooled", "boolean", False)])
+    )
+
+
 class MLflowTracker:
     """One MLflow run per training, with system metrics; ``run_id`` is set once started."""
 
@@ -231,6 +242,7 @@ class MLflowTracker:
     def _log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
         info = self._mlflow.pyfunc.log_model(
             name=MODEL_ARTIFACT,
+            signature=pyfunc_signature(),
             python_model=str(Path(__file__).with_name("mlflow_model.py")),  # models from code: no pickle
             artifacts={"elmo": str(model_dir)},
             registered_model_name=registered_name,

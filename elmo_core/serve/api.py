@@ -1,0 +1,123 @@
+"""What a client sends and gets: the request bodies (validated by pydantic, so a bad one is a 422 naming its field),
+the output a request asks for (which travels to the model process with its sentences), and the errors a request
+can meet on its way, each with its HTTP status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OutputKind = Literal["layers", "mix", "mean"]
+Encoding = Literal["float", "base64"]
+VectorType = Literal["float32", "float16"]
+
+
+@dataclass(frozen=True)
+class Output:
+    """How one request wants its sentences' vectors: every layer, the scalar mix, or the mix averaged over tokens;
+    as JSON floats or base64 of little-endian float32/float16 (row-major, ``shape`` says how to read it)."""
+
+    kind: OutputKind = "mix"
+    mix_weights: tuple[float, ...] | None = None  # before softmax, one per layer; None: the plain average
+    gamma: float = 1.0
+    encoding: Encoding = "float"
+    dtype: VectorType = "float32"
+
+
+class EmbedRequest(BaseModel):
+    """``POST /embed``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sentences: list[str | list[str]] = Field(
+        min_length=1, description="raw text (tokenized as `elmo embed` does) or token lists, one item a sentence"
+    )
+    output: OutputKind = Field(
+        "mix", description="layers: every layer (L+1, n, 2P); mix: the scalar mix (n, 2P); mean: the mix averaged (2P)"
+    )
+    mix_weights: list[float] | None = Field(None, description="scalar-mix weights before softmax (default: equal)")
+    gamma: float = Field(1.0, description="scalar-mix scale")
+    encoding: Encoding = Field("float", description="float: nested lists; base64: the array's little-endian bytes")
+    dtype: VectorType = Field("float32", description="the type base64 bytes hold (float lists are rounded to it)")
+
+    def output_spec(self) -> Output:
+        weights = tuple(self.mix_weights) if self.mix_weights is not None else None
+        return Output(self.output, weights, self.gamma, self.encoding, self.dtype)
+
+
+class EmbeddedSentence(BaseModel):
+    index: int
+    tokens: list[str]
+    shape: list[int]
+    embedding: list | str = Field(description="nested float lists, or base64 of the array of ``shape``")
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    output: OutputKind
+    dtype: VectorType
+    data: list[EmbeddedSentence]
+    usage: dict[str, int] = Field(description="tokens: the tokens embedded")
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``: OpenAI's request (token-id inputs are not taken: the biLM reads characters)."""
+
+    input: str | list[str] = Field(description="a text or a list of texts, one vector each (mean of the scalar mix)")
+    model: str | None = Field(None, description="accepted and echoed back; the server runs its one model")
+    encoding_format: Encoding = Field("float", description="float, or base64 of little-endian float32")
+    dimensions: int | None = Field(None, description="must be the model's width (2P) where given")
+    user: str | None = None
+
+
+class OpenAIEmbedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class OpenAIEmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIEmbedding]
+    model: str
+    usage: dict[str, int] = Field(description="prompt_tokens and total_tokens: the tokens embedded")
+
+
+class RequestError(Exception):
+    """A request that cannot be answered with vectors: its HTTP status, one line saying why, extra headers."""
+
+    status = 500
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.headers, self.param = headers or {}, param
+
+
+class TooLarge(RequestError):
+    """Over a limit that waiting would not cure (a sentence, a request, a body): 413, naming the limit."""
+
+    status = 413
+
+
+class Unprocessable(RequestError):
+    """A body that parses but cannot be embedded (an empty sentence, a wrong width): 422, naming the field."""
+
+    status = 422
+
+
+class QueueFull(RequestError):
+    """The queue holds ``--max-queue-tokens`` already: 429, with Retry-After."""
+
+    status = 429
+
+
+class Unavailable(RequestError):
+    """No model process can answer (not warm yet, or the one computing it died): 503."""
+
+    status = 503
+
+
+class Unauthorized(RequestError):
+    status = 401

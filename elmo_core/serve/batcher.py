@@ -1,0 +1,224 @@
+"""The queue between requests and model processes: admission by tokens, packing into batches, and every request's
+end (answered, failed, or dropped because its client left).
+
+A request is admitted while the tokens accepted and not yet answered stay within ``max_queue_tokens`` (else
+``QueueFull``: 429 with a Retry-After from the recent rate). Its sentences wait in arrival order. Whenever a model
+process is idle, the sentences at the head are packed into one batch of at most ``max_batch_tokens`` tokens,
+across requests; a batch with room left waits up to ``max_wait_ms`` from its oldest sentence's arrival for more to
+join it. While every process is busy, arrivals accumulate, so batches grow with the load by themselves. With
+batching off, a batch holds one request's sentences (what serving one request per forward pass costs).
+
+Everything here runs in the event loop's thread; the pool's reader threads reach it through ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from elmo_core.serve.api import Output, QueueFull, RequestError, Unavailable
+from elmo_core.serve.compute import Answer, Batch
+from elmo_core.serve.metrics import ServerMetrics
+from elmo_core.serve.workers import Worker, WorkerEvents, WorkerPool
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_tokens: int
+    max_wait_ms: float
+    max_queue_tokens: int
+    batching: bool = True
+
+
+@dataclass(eq=False)
+class Request:
+    """One admitted request: its sentences, the output it asked for, and the answers as they come."""
+
+    sentences: list[list[str]]
+    spec: Output
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    embeddings: list[bytes] = field(default_factory=list)
+    remaining: int = 0
+    over: bool = False  # answered, failed or dropped: its sentences still queued are skipped
+
+    def __post_init__(self) -> None:
+        n = len(self.sentences)
+        self.shapes, self.embeddings, self.remaining = [()] * n, [b""] * n, n
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sentences)
+
+
+@dataclass(eq=False)
+class Pending:
+    request: Request
+    index: int  # which of its request's sentences
+
+    @property
+    def tokens(self) -> int:
+        return len(self.request.sentences[self.index])
+
+
+class Batcher(WorkerEvents):
+    def __init__(self, limits: Limits, metrics: ServerMetrics, on_fatal: Callable[[str], None]) -> None:
+        self.limits, self.metrics, self.on_fatal = limits, metrics, on_fatal
+        self.pool: WorkerPool | None = None
+        self.waiting: deque[Pending] = deque()
+        self.waiting_tokens = 0
+        self.queued_tokens = 0  # admitted and not yet over: waiting or computing
+        self.inflight: dict[int, list[Pending]] = {}
+        self.fatal_message: str | None = None
+        self._ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+
+    # --- requests -------------------------------------------------------------------------------------
+    async def embed(self, sentences: list[list[str]], spec: Output) -> Request:
+        """The request's answers, once every sentence has its own; raises ``RequestError`` (429, 503, 500)."""
+        if self.fatal_message is not None:
+            raise Unavailable(f"the server is stopping: {self.fatal_message}")
+        request = Request(sentences, spec, self._loop.create_future())
+        if self.queued_tokens + request.tokens > self.limits.max_queue_tokens:
+            raise QueueFull(
+                f"the queue holds {self.queued_tokens:,} tokens; {request.tokens:,} more would pass "
+                f"--max-queue-tokens {self.limits.max_queue_tokens:,}; retry later",
+                {"Retry-After": str(self._retry_after())},
+            )
+        self._admit(request)
+        try:
+            return await request.future
+        finally:
+            self._end(request)
+
+    def _retry_after(self) -> int:
+        rate = self.metrics.rate()
+        return max(1, math.ceil(self.queued_tokens / rate)) if rate > 0 else 1
+
+    def _admit(self, request: Request) -> None:
+        self.waiting.extend(Pending(request, i) for i in range(len(request.sentences)))
+        self.waiting_tokens += request.tokens
+        self.queued_tokens += request.tokens
+        self.metrics.queue_tokens.set(self.queued_tokens)
+        self._dispatch()
+
+    def _end(self, request: Request) -> None:
+        """A request is over (answered, failed, or its client left): its tokens leave the queue; its sentences
+        still waiting are skipped when reached, and answers still computing are dropped on arrival."""
+        if request.over:
+            return
+        request.over = True
+        self.queued_tokens -= request.tokens
+        self.metrics.queue_tokens.set(self.queued_tokens)
+
+    # --- batches --------------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Hand batches to idle model processes while sentences wait."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.pool is not None and self._drop_dropped_head():
+            worker = self.pool.idle()
+            if worker is None:
+                return
+            if self.limits.batching and self.waiting_tokens < self.limits.max_batch_tokens:
+                due = self.waiting[0].request.arrived + self.limits.max_wait_ms / 1000
+                delay = due - time.monotonic()
+                if delay > 0:  # room left: wait for company, at most until the oldest has waited max_wait_ms
+                    self._timer = self._loop.call_later(delay, self._dispatch)
+                    return
+            self._send(worker, self._take())
+
+    def _drop_dropped_head(self) -> bool:
+        """Skip the sentences of requests already over; True while any sentence waits."""
+        while self.waiting and self.waiting[0].request.over:
+            self.waiting_tokens -= self.waiting.popleft().tokens
+        return bool(self.waiting)
+
+    def _take(self) -> list[Pending]:
+        """The head's sentences up to ``max_batch_tokens`` (at least one); with batching off, one request's."""
+        taken: list[Pending] = []
+        tokens = 0
+        first = self.waiting[0].request
+        while self.waiting:
+            pending = self.waiting[0]
+            if pending.request.over:
+                self.waiting_tokens -= self.waiting.popleft().tokens
+                continue
+            if taken and (
+                tokens + pending.tokens > self.limits.max_batch_tokens
+                or (not self.limits.batching and pending.request is not first)
+            ):
+                break
+            taken.append(self.waiting.popleft())
+            tokens += pending.tokens
+        self.waiting_tokens -= tokens
+        return taken
+
+    def _send(self, worker: Worker, pendings: list[Pending]) -> None:
+        specs: dict[Output, int] = {}
+        outputs = [specs.setdefault(p.request.spec, len(specs)) for p in pendings]
+        batch = Batch(next(self._ids), [p.request.sentences[p.index] for p in pendings], outputs, list(specs))
+        self.inflight[batch.id] = pendings
+        self.metrics.inflight_tokens.inc(batch.tokens)
+        self.pool.send(worker, batch)  # type: ignore[union-attr]
+
+    def _finish_batch(self, batch_id: int) -> list[Pending]:
+        pendings = self.inflight.pop(batch_id, [])
+        self.metrics.inflight_tokens.dec(sum(p.tokens for p in pendings))
+        return pendings
+
+    # --- what the model processes report (WorkerEvents) ----------------------------------------------------
+    def worker_ready(self, worker: Worker) -> None:
+        self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
+        self._dispatch()
+
+    def batch_done(self, worker: Worker, answer: Answer) -> None:
+        pendings = self._finish_batch(answer.id)
+        self.metrics.batch(sum(p.tokens for p in pendings), len({id(p.request) for p in pendings}))
+        for pending, shape, embedding in zip(pendings, answer.shapes, answer.embeddings):
+            request = pending.request
+            if request.over:
+                continue
+            request.shapes[pending.index], request.embeddings[pending.index] = shape, embedding
+            request.remaining -= 1
+            if request.remaining == 0 and not request.future.done():
+                request.future.set_result(request)
+        self._dispatch()
+
+    def _fail(self, pendings: list[Pending], error: RequestError) -> None:
+        for pending in pendings:
+            if not pending.request.over and not pending.request.future.done():
+                pending.request.future.set_exception(error)
+
+    def batch_failed(self, worker: Worker, batch_id: int, message: str) -> None:
+        self._fail(self._finish_batch(batch_id), RequestError(f"the model failed on this request's batch: {message}"))
+        self._dispatch()
+
+    def worker_lost(self, worker: Worker, batch: Batch | None, exitcode: int | None) -> None:
+        self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
+        if self.pool is not None and not self.pool.closing:
+            self.metrics.worker_restarts.inc()
+        if batch is not None:
+            error = Unavailable(
+                f"the model process computing this request died (exit code {exitcode}); it is being started "
+                "again: retry",
+                {"Retry-After": "1"},
+            )
+            self._fail(self._finish_batch(batch.id), error)
+
+    def fatal(self, message: str) -> None:
+        """The model cannot run here: fail everything and stop the server with ``message``."""
+        if self.fatal_message is None:
+            self.fatal_message = message
+            self._fail(list(self.waiting), Unavailable(message))
+            for batch_id in list(self.inflight):
+                self._fail(self._finish_batch(batch_id), Unavailable(message))
+            self.on_fatal(message)

@@ -1,0 +1,132 @@
+"""The unit a model process runs: one batch of sentences, from however many requests, in one packed forward pass.
+
+The biLM is stateless here (every sentence starts from zero state) and reads the batch packed, as the batch job
+does (``inference.token_rows``: each distinct word through the char CNN once, no padding computed), so a sentence's
+vectors are what it gets alone, whatever shares its batch. Each sentence's answer leaves as JSON text (the value of
+its ``embedding``), encoded here so that the HTTP process only joins bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from elmo_core.bilm.inference import token_rows
+from elmo_core.bilm.model import BiLM
+from elmo_core.bilm.scalar_mix import fixed_mix
+from elmo_core.cpu import apply_thread_share, describe
+from elmo_core.precision import pick_device, resolve_precision
+from elmo_core.serve.api import Output
+
+log = logging.getLogger(__name__)
+
+WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
+
+
+@dataclass
+class Batch:
+    """Sentences of one or more requests; ``outputs[i]`` is the index in ``specs`` of sentence i's output."""
+
+    id: int
+    sentences: list[list[str]]
+    outputs: list[int]
+    specs: list[Output]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sentences)
+
+
+@dataclass
+class Answer:
+    """A batch's answers: per sentence its ``shape`` and its embedding as JSON text; the seconds it took."""
+
+    id: int
+    shapes: list[tuple[int, ...]]
+    embeddings: list[bytes]
+    seconds: float
+
+
+class BatchEmbedder:
+    """One model process's biLM, loaded and warmed once, then batch after batch."""
+
+    def __init__(
+        self, model: str | Path, weight_file: str | None = None, device: str = "auto", precision: str = "fp32"
+    ) -> None:
+        threads = apply_thread_share()
+        self.device = pick_device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.bilm = BiLM.from_pretrained(str(model), weight_file, device=self.device, precision=self.precision)
+        self.threads_line = threads or f"torch threads: {torch.get_num_threads()}"
+        self._mixes: dict[tuple[tuple[float, ...] | None, float], torch.Tensor] = {}
+
+    def warm_up(self) -> float:
+        """One call before the first request (kernels compiled or chosen, buffers sized); returns its seconds."""
+        started = time.perf_counter()
+        self.run(Batch(0, WARM_UP, [0, 0], [Output()]))
+        return time.perf_counter() - started
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "precision": str(self.precision),
+            "precision_why": self.precision.why,
+            "kernels": str(self.bilm.kernels),
+            "threads": torch.get_num_threads(),
+            "layers": self.bilm.num_layers,
+            "dim": self.bilm.output_dim,
+            "cpu": describe(),
+        }
+
+    def _mix(self, spec: Output) -> torch.Tensor:
+        """γ · softmax(w) of a request's mix, (L+1,), made once per distinct (w, γ)."""
+        key = (spec.mix_weights, spec.gamma)
+        if key not in self._mixes:
+            mix = fixed_mix(self.bilm.num_layers, spec.mix_weights, spec.gamma)
+            self._mixes[key] = mix.weights().detach().to(self.device)
+        return self._mixes[key]
+
+    @torch.no_grad()
+    def run(self, batch: Batch) -> Answer:
+        """Every sentence of the batch in one packed forward pass, each answer shaped and encoded as its request
+        asked."""
+        started = time.perf_counter()
+        order = list(range(len(batch.sentences)))
+        shapes: list[tuple[int, ...]] = []
+        embeddings: list[bytes] = []
+        for _, layers, counts in token_rows(self.bilm, batch.sentences, [order]):
+            stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P), sentence after sentence
+            start = 0
+            for i, n in enumerate(counts.tolist()):
+                spec = batch.specs[batch.outputs[i]]
+                array = self._shape(stacked[:, start : start + n], spec)
+                start += n
+                shapes.append(array.shape)
+                embeddings.append(encode(array, spec))
+        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started)
+
+    def _shape(self, layers: torch.Tensor, spec: Output) -> np.ndarray:
+        if spec.kind == "layers":
+            return layers.cpu().numpy()
+        mixed = (self._mix(spec)[:, None, None] * layers).sum(0)  # as the batch job mixes (vectors/embed.py)
+        if spec.kind == "mean":
+            mixed = mixed.mean(0)
+        return mixed.cpu().numpy()
+
+
+def encode(array: np.ndarray, spec: Output) -> bytes:
+    """An embedding as JSON text: nested lists (rounded to ``spec.dtype``) or a base64 string of its bytes."""
+    typed = array.astype("<f2" if spec.dtype == "float16" else "<f4", copy=False)
+    if spec.encoding == "base64":
+        return b'"' + base64.b64encode(np.ascontiguousarray(typed).tobytes()) + b'"'
+    return json.dumps(typed.tolist()).encode()

@@ -1,0 +1,121 @@
+"""``serve(config)``: what ``elmo serve`` runs. The port is bound before anything heavy is imported (a client that
+connects early waits in the backlog instead of being refused), then the app starts on uvicorn: /health answers at
+once, the model processes load behind it, /ready turns 200 when one is warm.
+
+SIGTERM or Ctrl-C: uvicorn stops accepting and waits up to ``drain_seconds`` for the requests in flight, which the
+model processes still answer; then the processes are told to stop and ``serve`` returns.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elmo_core.errors import ConfigError, ElmoError
+from elmo_core.options import ServeConfig
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ELMO_API_KEY"
+
+
+class ServeError(ElmoError):
+    """Serving stopped because the model cannot run here (one line, from the model process)."""
+
+
+@dataclass
+class Served:
+    url: str
+    fatal: list[str] = field(default_factory=list)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, before anything else happens."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_model(config: ServeConfig) -> None:
+    """A local model that is not there fails now, in one line, before the port is taken."""
+    if "://" in config.model or ":/" in config.model:
+        return  # an MLflow URI: fetched once the server runs
+    source = Path(config.model)
+    if not source.exists():
+        raise ConfigError(f"{source}: no such model directory or options file")
+    if source.is_dir() and not (source / "options.json").exists():
+        raise ConfigError(f"{source}: no options.json in it; give a model directory (options.json + weights.hdf5)")
+    if source.is_file() and config.weight_file is None:
+        raise ConfigError(f"{source}: an options file; give its weights too (--weight-file weights.hdf5)")
+
+
+def serve(config: ServeConfig) -> Served:
+    """Serve until SIGTERM or Ctrl-C; raises ``ServeError`` where the model cannot run."""
+    if config.api_key is None and os.environ.get(API_KEY_ENV):
+        config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
+    check_model(config)
+    sock = bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    served = Served(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
+    print(f"elmo serve: listening on {served.url} (/ready turns 200 once the model is warm)", flush=True)
+    if not _loopback(config.host) and config.api_key is None:
+        log.warning("listening on %s without an API key: anyone who reaches this port can use it", config.host)
+
+    import uvicorn  # the heavy part, after the port is bound (torch only in the model processes)
+
+    from elmo_core.serve.app import create_app
+
+    def model_dir() -> str:
+        from elmo_core.train.tracking import is_model_uri, resolve_model_dir
+
+        return str(resolve_model_dir(config.model)) if is_model_uri(config.model) else config.model
+
+    server: uvicorn.Server | None = None
+
+    def on_fatal(message: str) -> None:
+        served.fatal.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, model_dir, on_fatal)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(config.drain_seconds),
+            lifespan="on",
+        )
+    )
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found: a quiet one here
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if served.fatal:
+        raise ServeError(served.fatal[0])
+    return served

@@ -1,0 +1,203 @@
+"""The model processes: each loads the biLM once (``compute.BatchEmbedder``) with its share of the cores and runs
+the batches it is sent, one at a time. The HTTP process watches each through its pipe: a process that dies fails
+only the batch it held (those requests get 503) and is started again.
+
+A model process ignores SIGINT and SIGTERM: the HTTP process decides when serving ends (after draining) and then
+closes the pipe, which ends the process; a pipe that closes because the HTTP process died ends it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from elmo_core import cpu
+from elmo_core.serve.compute import Answer, Batch
+
+log = logging.getLogger(__name__)
+
+RESTARTS_BEFORE_GIVING_UP = 5  # deaths in a row with no batch answered in between: the model cannot run here
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What every model process is told: the model, where and how it runs, and how many share the machine."""
+
+    model: str  # a model directory, or an options.json with ``weight_file``
+    weight_file: str | None
+    device: str
+    precision: str
+    processes: int
+
+
+def worker_main(conn: Connection, plan: WorkerPlan) -> None:
+    """A model process: load, warm up, say ready (or why not), then answer batches until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        from elmo_core.serve.compute import BatchEmbedder
+
+        embedder = BatchEmbedder(plan.model, plan.weight_file, plan.device, plan.precision)
+        seconds = embedder.warm_up()
+        conn.send(("ready", {**embedder.info(), "warm_up_seconds": round(seconds, 3)}))
+    except Exception as exc:  # the model cannot load or run here: one line for the user, the server stops
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        return
+    while True:
+        try:
+            batch: Batch | None = conn.recv()
+        except (EOFError, OSError):  # the HTTP process is gone
+            return
+        if batch is None:  # serving ends
+            return
+        try:
+            conn.send(("done", embedder.run(batch)))
+        except Exception as exc:  # a batch the model cannot run: its requests get the line, the process goes on
+            log.error("batch %d failed: %s", batch.id, traceback.format_exc())
+            conn.send(("failed", batch.id, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+
+
+@dataclass
+class Worker:
+    """One model process as the HTTP process sees it."""
+
+    slot: int
+    process: Any = None
+    conn: Connection | None = None
+    ready: bool = False
+    batch: Batch | None = None  # the batch it is computing
+    info: dict[str, Any] = field(default_factory=dict)
+    deaths_in_a_row: int = 0
+
+
+class WorkerEvents:
+    """What the pool reports, in the event loop's thread (``Batcher`` implements it)."""
+
+    def worker_ready(self, worker: Worker) -> None: ...
+    def batch_done(self, worker: Worker, answer: Answer) -> None: ...
+    def batch_failed(self, worker: Worker, batch_id: int, message: str) -> None: ...
+    def worker_lost(self, worker: Worker, batch: Batch | None, exitcode: int | None) -> None: ...
+    def fatal(self, message: str) -> None: ...
+
+
+class WorkerPool:
+    """``plan.processes`` model processes (spawned, so no torch state is forked), each read by a thread of its own
+    whose news the event loop receives through ``call``."""
+
+    def __init__(self, plan: WorkerPlan, events: WorkerEvents, call: Callable[..., Any]) -> None:
+        self.plan, self.events, self.call = plan, events, call
+        self.workers = [Worker(i) for i in range(plan.processes)]
+        self.closing = False
+        self.restarts = 0
+        self._context = multiprocessing.get_context("spawn")
+
+    def start(self) -> None:
+        for worker in self.workers:
+            self._spawn(worker)
+
+    def _spawn(self, worker: Worker) -> None:
+        parent, child = self._context.Pipe()
+        process = self._context.Process(
+            target=worker_main, args=(child, self.plan), name=f"elmo-serve-worker-{worker.slot}", daemon=True
+        )
+        with cpu.environment(cpu.worker_env(self.plan.processes)):  # its share of the cores, as embed workers get
+            process.start()
+        child.close()
+        worker.process, worker.conn, worker.ready, worker.batch = process, parent, False, None
+        threading.Thread(target=self._read, args=(worker, parent, process), daemon=True).start()
+
+    def idle(self) -> Worker | None:
+        return next((w for w in self.workers if w.ready and w.batch is None), None)
+
+    @property
+    def ready_count(self) -> int:
+        return sum(w.ready for w in self.workers)
+
+    def send(self, worker: Worker, batch: Batch) -> None:
+        worker.batch = batch
+        try:
+            worker.conn.send(batch)  # type: ignore[union-attr]
+        except OSError:  # it died: its reader thread reports the loss, with this batch
+            pass
+
+    def _read(self, worker: Worker, conn: Connection, process: Any) -> None:
+        """A worker's messages, in its own thread, handed to the event loop; its end, too."""
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "ready":
+                self.call(self._on_ready, worker, message[1])
+            elif kind == "done":
+                self.call(self._on_done, worker, message[1])
+            elif kind == "failed":
+                self.call(self._on_failed, worker, message[1], message[2])
+            elif kind == "fatal":
+                self.call(self.events.fatal, f"the model cannot run: {message[1]}")
+        process.join(timeout=5)
+        if not self.closing:
+            self.call(self._on_lost, worker, process.exitcode)
+
+    def _on_ready(self, worker: Worker, info: dict[str, Any]) -> None:
+        worker.ready, worker.info = True, info
+        log.info(
+            "worker %d ready (pid %d): %s, %s; warm-up %.2f s",
+            worker.slot,
+            info["pid"],
+            info["precision"],
+            info["kernels"],
+            info["warm_up_seconds"],
+        )
+        self.events.worker_ready(worker)
+
+    def _on_done(self, worker: Worker, answer: Answer) -> None:
+        worker.batch, worker.deaths_in_a_row = None, 0
+        self.events.batch_done(worker, answer)
+
+    def _on_failed(self, worker: Worker, batch_id: int, message: str) -> None:
+        worker.batch = None
+        self.events.batch_failed(worker, batch_id, message)
+
+    def _on_lost(self, worker: Worker, exitcode: int | None) -> None:
+        if self.closing:
+            return
+        batch, worker.batch, worker.ready = worker.batch, None, False
+        worker.deaths_in_a_row += 1
+        log.error(
+            "worker %d (pid %s) died (exit code %s); starting it again", worker.slot, worker.info.get("pid"), exitcode
+        )
+        self.events.worker_lost(worker, batch, exitcode)
+        if worker.deaths_in_a_row > RESTARTS_BEFORE_GIVING_UP:
+            self.events.fatal(
+                f"worker {worker.slot} died {worker.deaths_in_a_row} times in a row (exit code {exitcode})"
+            )
+            return
+        self.restarts += 1
+        self._spawn(worker)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Tell every process that serving ends, wait for them, kill what lingers."""
+        self.closing = True
+        for worker in self.workers:
+            try:
+                if worker.conn is not None:
+                    worker.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            if worker.process is not None:
+                worker.process.join(timeout=max(0.1, deadline - time.monotonic()))
+                if worker.process.is_alive():
+                    worker.process.kill()
+                    worker.process.join(timeout=2)
