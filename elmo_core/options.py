@@ -426,7 +426,9 @@ class ServeConfig(Options):
         "fp32", description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8"
     )
     tokenizer: TokenizerName = Field("whitespace", description="how raw text is tokenized (as `elmo embed` does)")
-    max_batch_tokens: int = Field(8192, gt=0, description="tokens per forward pass, from however many requests")
+    max_batch_tokens: int = Field(  # tokens/s is flat from ~2,500 tokens a batch up (bench/serve_load.py)
+        4096, gt=0, description="tokens per forward pass, from however many requests"
+    )
     max_wait_ms: float = Field(
         2.0, ge=0, description="how long a forward pass with room left waits for more requests to join it"
     )

@@ -89,9 +89,11 @@ def consecutive_batches(
 class TokenCache:
     """Layer 0 of a fixed word list, computed once: ``table`` (V + 1, P) with row 0 the padding token."""
 
-    def __init__(self, bilm: Embeds, words: Sequence[str]) -> None:
+    def __init__(self, bilm: Embeds, words: Sequence[str], embeddings: Tensor | None = None) -> None:
+        """``embeddings`` (V, P): the words' layer 0 where the caller holds it already (a server's word cache)."""
         self.words = list(words)
-        embeddings = bilm.token_embeddings(self.words)
+        if embeddings is None:
+            embeddings = bilm.token_embeddings(self.words)
         self.table = torch.cat([embeddings.new_zeros(1, embeddings.shape[1]), embeddings])
         self.index = {word: i + 1 for i, word in enumerate(self.words)}
 

@@ -7,9 +7,10 @@
     GET  /info            the model, its shape, the precision and kernels that run, the limits
     GET  /metrics         Prometheus text
 
-A body is read up to ``--max-body-bytes`` before anything parses it (``BodyLimit``); with an API key every route
-but /health and /ready wants ``Authorization: Bearer KEY``, compared in constant time. A request whose client
-disconnects leaves the queue (its sentences are skipped, answers already computing are dropped).
+A body is read up to ``--max-body-bytes`` before anything parses it, and not at all when the queue is full
+(``Gate``); with an API key every route but /health and /ready wants ``Authorization: Bearer KEY``, compared in
+constant time. A request whose client disconnects leaves the queue (its sentences are skipped, answers already
+computing are dropped).
 """
 
 from __future__ import annotations
@@ -51,19 +52,24 @@ ERRORS = {
 }
 
 
-class BodyLimit:
-    """ASGI middleware: a request body read whole, up to ``limit`` bytes, before the app sees it; past it a 413
-    (the declared Content-Length is checked first, so an honest large upload is refused before it is sent)."""
+class Gate:
+    """ASGI middleware, what is refused before a body is parsed: a POST to a full queue gets its 429 without its
+    body being read (under overload, refusing must cost less than answering), and a body is read whole, up to
+    ``--max-body-bytes``, before the app sees it; past it a 413 (the declared Content-Length is checked first, so
+    an honest large upload is refused before it is sent)."""
 
-    def __init__(self, app: Any, limit: int, metrics: ServerMetrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server, self.limit = app, server, server.config.max_body_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        batcher = self.server.batcher
+        if scope["path"] in ENDPOINTS and batcher is not None and batcher.full:
+            return await self._refuse(scope, send, batcher.refusal())
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, send, f"the body has {int(declared):,} bytes")
+            return await self._refuse(scope, send, self._too_large(f"the body has {int(declared):,} bytes"))
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -72,7 +78,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                return await self._refuse(scope, send, f"the body passed {self.limit:,} bytes")
+                return await self._refuse(scope, send, self._too_large(f"the body passed {self.limit:,} bytes"))
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -86,10 +92,12 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, send: Callable, what: str) -> None:
+    def _too_large(self, what: str) -> TooLarge:
+        return TooLarge(f"{what}; the limit is --max-body-bytes {self.limit:,}")
+
+    async def _refuse(self, scope: dict, send: Callable, error: RequestError) -> None:
         if scope["path"] in ENDPOINTS:
-            self.metrics.answered(scope["path"], 413, 0.0)
-        error = TooLarge(f"{what}; the limit is --max-body-bytes {self.limit:,}")
+            self.server.metrics.answered(scope["path"], error.status, 0.0)
         await _error_response(error)(scope, None, send)
 
 
@@ -340,7 +348,7 @@ def create_app(config: ServeConfig, model_dir: Callable[[], str], on_fatal: Call
 
     app = FastAPI(title="elmo serve", summary="ELMo vectors on request", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes, metrics=server.metrics)
+    app.add_middleware(Gate, server=server)
     app.add_exception_handler(RequestError, request_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, bad_body)  # type: ignore[arg-type]
     app.include_router(router)

@@ -87,16 +87,25 @@ class Batcher(WorkerEvents):
             raise Unavailable(f"the server is stopping: {self.fatal_message}")
         request = Request(sentences, spec, self._loop.create_future())
         if self.queued_tokens + request.tokens > self.limits.max_queue_tokens:
-            raise QueueFull(
-                f"the queue holds {self.queued_tokens:,} tokens; {request.tokens:,} more would pass "
-                f"--max-queue-tokens {self.limits.max_queue_tokens:,}; retry later",
-                {"Retry-After": str(self._retry_after())},
-            )
+            raise self.refusal(request.tokens)
         self._admit(request)
         try:
             return await request.future
         finally:
             self._end(request)
+
+    @property
+    def full(self) -> bool:
+        """No room for even one token: a request is refused before its body is read."""
+        return self.queued_tokens >= self.limits.max_queue_tokens
+
+    def refusal(self, tokens: int | None = None) -> QueueFull:
+        more = f"{tokens:,} more would pass" if tokens is not None else "it is at"
+        return QueueFull(
+            f"the queue holds {self.queued_tokens:,} tokens; {more} --max-queue-tokens "
+            f"{self.limits.max_queue_tokens:,}; retry later",
+            {"Retry-After": str(self._retry_after())},
+        )
 
     def _retry_after(self) -> int:
         rate = self.metrics.rate()
@@ -182,7 +191,8 @@ class Batcher(WorkerEvents):
 
     def batch_done(self, worker: Worker, answer: Answer) -> None:
         pendings = self._finish_batch(answer.id)
-        self.metrics.batch(sum(p.tokens for p in pendings), len({id(p.request) for p in pendings}))
+        requests = len({id(p.request) for p in pendings})
+        self.metrics.batch(sum(p.tokens for p in pendings), requests, answer.seconds, answer.words, answer.new_words)
         for pending, shape, embedding in zip(pendings, answer.shapes, answer.embeddings):
             request = pending.request
             if request.over:

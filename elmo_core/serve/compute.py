@@ -1,9 +1,11 @@
 """The unit a model process runs: one batch of sentences, from however many requests, in one packed forward pass.
 
 The biLM is stateless here (every sentence starts from zero state) and reads the batch packed, as the batch job
-does (``inference.token_rows``: each distinct word through the char CNN once, no padding computed), so a sentence's
-vectors are what it gets alone, whatever shares its batch. Each sentence's answer leaves as JSON text (the value of
-its ``embedding``), encoded here so that the HTTP process only joins bytes.
+does (``BiLM.token_rows`` over a token table: no padding computed), so a sentence's vectors are what it gets alone,
+whatever shares its batch. A word's layer 0 (char CNN, highway, projection) depends on the word alone, so the
+process keeps it across batches (``WordVectors``): a call then pays the char CNN only for words it has not seen,
+where a lone call would read every highway weight for a handful of words. Each sentence's answer leaves as JSON
+text (the value of its ``embedding``), encoded here so that the HTTP process only joins bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elmo_core.bilm.inference import token_rows
+from elmo_core.bilm.inference import TokenCache
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.scalar_mix import fixed_mix
 from elmo_core.cpu import apply_thread_share, describe
@@ -29,6 +33,7 @@ from elmo_core.serve.api import Output
 
 log = logging.getLogger(__name__)
 
+WORD_CACHE_BYTES = 64 << 20  # layer-0 vectors kept per model process: 131k words of the small shape, 32k original
 WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
 
 
@@ -48,12 +53,38 @@ class Batch:
 
 @dataclass
 class Answer:
-    """A batch's answers: per sentence its ``shape`` and its embedding as JSON text; the seconds it took."""
+    """A batch's answers: per sentence its ``shape`` and its embedding as JSON text; the seconds it took, and how
+    many of its distinct words went through the char CNN (the rest were kept from earlier batches)."""
 
     id: int
     shapes: list[tuple[int, ...]]
     embeddings: list[bytes]
     seconds: float
+    words: int = 0
+    new_words: int = 0
+
+
+class WordVectors:
+    """Layer 0 of the words a process has seen, least recently used dropped first past ``max_bytes``."""
+
+    def __init__(self, bilm: BiLM, max_bytes: int = WORD_CACHE_BYTES) -> None:
+        self.bilm = bilm
+        self.rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.capacity = max(1, max_bytes // (bilm.config.lstm.projection_dim * 4))
+        self.missed = 0
+
+    def table(self, words: Sequence[str]) -> TokenCache:
+        """A token cache of ``words`` (distinct), computing only the ones not kept (``missed`` says how many)."""
+        missing = [w for w in words if w not in self.rows]
+        self.missed = len(missing)
+        if missing:
+            for word, row in zip(missing, self.bilm.token_embeddings(missing)):
+                self.rows[word] = row
+        for word in words:
+            self.rows.move_to_end(word)
+        while len(self.rows) > max(self.capacity, len(words)):
+            self.rows.popitem(last=False)
+        return TokenCache(self.bilm, words, torch.stack([self.rows[w] for w in words]))
 
 
 class BatchEmbedder:
@@ -68,6 +99,7 @@ class BatchEmbedder:
         self.bilm = BiLM.from_pretrained(str(model), weight_file, device=self.device, precision=self.precision)
         self.threads_line = threads or f"torch threads: {torch.get_num_threads()}"
         self._mixes: dict[tuple[tuple[float, ...] | None, float], torch.Tensor] = {}
+        self.words = WordVectors(self.bilm)
 
     def warm_up(self) -> float:
         """One call before the first request (kernels compiled or chosen, buffers sized); returns its seconds."""
@@ -101,19 +133,22 @@ class BatchEmbedder:
         """Every sentence of the batch in one packed forward pass, each answer shaped and encoded as its request
         asked."""
         started = time.perf_counter()
-        order = list(range(len(batch.sentences)))
         shapes: list[tuple[int, ...]] = []
         embeddings: list[bytes] = []
-        for _, layers, counts in token_rows(self.bilm, batch.sentences, [order]):
-            stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P), sentence after sentence
-            start = 0
-            for i, n in enumerate(counts.tolist()):
-                spec = batch.specs[batch.outputs[i]]
-                array = self._shape(stacked[:, start : start + n], spec)
-                start += n
-                shapes.append(array.shape)
-                embeddings.append(encode(array, spec))
-        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started)
+        if not batch.sentences:
+            return Answer(batch.id, shapes, embeddings, 0.0)
+        cache = self.words.table(sorted({token for sentence in batch.sentences for token in sentence}))
+        ids = cache.ids(batch.sentences).to(self.device)
+        layers, counts, _ = self.bilm.token_rows(ids, token_table=cache.table.to(self.device))
+        stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P), sentence after sentence
+        start = 0
+        for i, n in enumerate(counts.tolist()):
+            spec = batch.specs[batch.outputs[i]]
+            array = self._shape(stacked[:, start : start + n], spec)
+            start += n
+            shapes.append(array.shape)
+            embeddings.append(encode(array, spec))
+        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, len(cache.words), self.words.missed)
 
     def _shape(self, layers: torch.Tensor, spec: Output) -> np.ndarray:
         if spec.kind == "layers":

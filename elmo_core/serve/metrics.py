@@ -43,6 +43,13 @@ class ServerMetrics:
             registry=r,
         )
         self.tokens = Counter("elmo_tokens", "tokens embedded", registry=r)
+        self.batch_seconds = Histogram(
+            "elmo_batch_seconds", "a model process's time on one batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.words = Counter("elmo_words", "distinct words of batches", registry=r)
+        self.new_words = Counter(
+            "elmo_new_words", "of those, words not kept from earlier batches (char CNN run)", registry=r
+        )
         self.tokens_per_second = Gauge(
             "elmo_tokens_per_second", f"tokens embedded per second over the last {RATE_WINDOW_S:.0f} s", registry=r
         )
@@ -60,7 +67,10 @@ class ServerMetrics:
         if status == 200:
             self.latency.labels(endpoint).observe(seconds)
 
-    def batch(self, tokens: int, requests: int) -> None:
+    def batch(self, tokens: int, requests: int, seconds: float = 0.0, words: int = 0, new_words: int = 0) -> None:
+        self.batch_seconds.observe(seconds)
+        self.words.inc(words)
+        self.new_words.inc(new_words)
         self.batch_tokens.observe(tokens)
         self.batch_requests.observe(requests)
         self.tokens.inc(tokens)

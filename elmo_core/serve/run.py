@@ -44,9 +44,18 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
+    sock.listen(4096)  # the kernel caps it at net.core.somaxconn
     sock.set_inheritable(False)
     return sock
+
+
+def allow_open_files() -> None:
+    """Every connection is a file: a burst of clients must meet 429s, not a process out of descriptors."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
 
 
 def _loopback(host: str) -> bool:
@@ -74,6 +83,7 @@ def serve(config: ServeConfig) -> Served:
     if config.api_key is None and os.environ.get(API_KEY_ENV):
         config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
     check_model(config)
+    allow_open_files()
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     served = Served(f"http://{host if ':' not in host else f'[{host}]'}:{port}")

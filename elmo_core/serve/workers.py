@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -24,7 +25,10 @@ from elmo_core.serve.compute import Answer, Batch
 
 log = logging.getLogger(__name__)
 
-RESTARTS_BEFORE_GIVING_UP = 5  # deaths in a row with no batch answered in between: the model cannot run here
+RESTARTS_BEFORE_GIVING_UP = 5
+# Below the HTTP process in the CPU's queue: when a burst and the model want the same cores, the HTTP process
+# still reads requests and answers 429s at once, and the model takes the rest.
+WORKER_NICENESS = 5  # deaths in a row with no batch answered in between: the model cannot run here
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ def worker_main(conn: Connection, plan: WorkerPlan) -> None:
     """A model process: load, warm up, say ready (or why not), then answer batches until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.nice(WORKER_NICENESS)
     try:
         from elmo_core.serve.compute import BatchEmbedder
 
