@@ -432,8 +432,8 @@ class ServeConfig(Options):
     max_wait_ms: float = Field(
         2.0, ge=0, description="how long a forward pass with room left waits for more requests to join it"
     )
-    max_queue_tokens: int = Field(
-        65_536, gt=0, description="tokens accepted and not yet answered; past it a request gets 429 with Retry-After"
+    max_queue_tokens: int = Field(  # about 2-3 s of the small shape's work on 2 cores: a wait, not a backlog
+        16_384, gt=0, description="tokens accepted and not yet answered; past it a request gets 429 with Retry-After"
     )
     max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413")
     max_sentences: int = Field(256, gt=0, description="sentences of one request; more: 413")

@@ -58,5 +58,7 @@ def print_summary(s: dict[str, Any]) -> None:
         "              sudo apt-get install wordnet-base), and a tagging probe per layer:",
         f"              {elmo} probe tag --model {model} --train {tagging}/train.tsv --dev {tagging}/dev.tsv "
         f"--test {tagging}/test.tsv --out {work / 'probe_tag'}",
+        f"  serve it    {elmo} serve {model}   then: curl -s localhost:8080/embed -H 'content-type: "
+        """application/json' -d '{"sentences": ["I ate an apple ."], "output": "mean"}'""",
     ]
     print("\n".join(lines))

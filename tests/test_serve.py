@@ -302,3 +302,43 @@ def test_bad_model_is_one_line_before_the_port_is_taken(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"elmo serve: error: {tmp_path / 'nowhere'}: no such model directory or options file"
     ]
+
+
+@pytest.mark.slow
+def test_registered_model_served_and_its_pyfunc_signature(tmp_path: Path, bilm: BiLM) -> None:
+    """A model registered in MLflow: `elmo serve models:/NAME/1` gives the fixture's vectors, and the pyfunc model
+    that `mlflow models serve` runs has a signature with ``pooled``, whose answer is the served ``mean``."""
+    import mlflow
+    import pandas as pd
+
+    from elmo_core.train.tracking import MLflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker(experiment="serve-test", tracking_uri=uri)
+    model_uri = tracker.log_model_dir(MODEL, "served")
+    tracker.close()
+    assert model_uri == "models:/served/1"
+
+    mlflow.set_tracking_uri(uri)
+    pyfunc = mlflow.pyfunc.load_model(model_uri)
+    signature = pyfunc.metadata.signature
+    assert signature.inputs.input_names() == ["sentence"]
+    assert [(p.name, p.default) for p in signature.params.params] == [("pooled", False)]
+    frame = pd.DataFrame({"sentence": ["I ate an apple .", "Apple shares rose ."]})
+    want = [x.mean(0) for x in bilm.embed_sentences([s.split() for s in frame["sentence"]])]
+    pooled = pyfunc.predict(frame, params={"pooled": True})
+    np.testing.assert_allclose(np.array(pooled), [w.mean(0) for w in want], atol=1e-6)
+    tokens = pyfunc.predict(frame)
+    np.testing.assert_allclose(np.array(tokens[0]), want[0], atol=1e-6)
+
+    port = free_port()
+    command = [sys.executable, "-m", "elmo_core.cli", "serve", "models:/served/1", "--port", str(port)]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+    proc = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _ready(base)
+        answer = httpx.post(f"{base}/embed", json={"sentences": list(frame["sentence"]), "output": "mean"}).json()
+        np.testing.assert_allclose(np.array([d["embedding"] for d in answer["data"]]), pooled, atol=1e-6)
+    finally:
+        stop_group(proc)
