@@ -4,6 +4,7 @@ NaN handling, MLflow tracking and the model registry, and 2-process DDP (real gl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -548,3 +549,66 @@ def test_perplexity_and_export_commands(fixture_data, tmp_path, bilm_tf_dir):
     assert value == pytest.approx(expected, rel=1e-3)
     missing = run_elmo("perplexity", "--model", str(bilm_tf_dir / "model"), "--corpus", str(tmp_path / "ing"))
     assert missing.returncode != 0
+
+
+def test_exact_softmax_loss_and_gradients_are_a_direct_log_softmax():
+    """sample_softmax false: each direction's loss is -log softmax(h W^T + b)[next word], averaged over tokens and
+    the two directions, and its gradients (softmax rows and the LSTMs below) are that expression's."""
+    from elmo_core.config import ModelConfig
+    from elmo_core.train.objective import LMObjective
+
+    torch.manual_seed(0)
+    bilm = BiLM(ModelConfig.model_validate({**FIXTURE_MODEL, "n_tokens_vocab": 12}))
+    objective = LMObjective(bilm, dropout=0.0, sparse=False).train()
+    chars_f, chars_b = torch.randint(1, 200, (3, 5, 50)), torch.randint(1, 200, (3, 5, 50))
+    targets_f, targets_b = torch.randint(0, 12, (3, 5)), torch.randint(0, 12, (3, 5))
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        bilm.zero_grad()
+        loss.backward()
+        return [bilm.softmax.weight.grad.clone(), bilm.lstm.forward_layers[0].weight_ih_l0.grad.clone()]
+
+    loss, _, _, _ = objective(chars_f, chars_b, targets_f, targets_b, None, None, 0, LogUniformSampler(12))
+    got = grads(loss)
+    top_f, top_b, _ = objective.hidden(chars_f, chars_b, None)
+    w, b = bilm.softmax.weight, bilm.softmax.bias
+    direct = [
+        -torch.log_softmax(top.reshape(-1, 8) @ w.t() + b, dim=-1).gather(1, t.reshape(-1, 1)).mean()
+        for top, t in ((top_f, targets_f), (top_b, targets_b))
+    ]
+    expected_loss = 0.5 * (direct[0] + direct[1])
+    assert torch.allclose(loss, expected_loss, atol=1e-6)
+    for g, e in zip(got, grads(expected_loss)):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-5)
+    assert got[0].abs().sum(1).gt(0).all()  # every softmax row gets a gradient: nothing sampled
+
+
+def test_both_softmaxes_train_and_export_to_files_the_allennlp_drop_in_reads(
+    fixture_data, tmp_path, caplog, monkeypatch
+):
+    """Each softmax trains (the exact one never samples), says so on its log line, and exports bilm-tf files that
+    the AllenNLP drop-in reads to the same numbers."""
+    import elmo_core.train.objective as objective_module
+    from elmo_core.allennlp import ElmoEmbedder
+
+    sampled_calls = []
+    real = objective_module.sampled_softmax_loss
+    monkeypatch.setattr(
+        objective_module, "sampled_softmax_loss", lambda *a, **k: sampled_calls.append(1) or real(*a, **k)
+    )
+    sentence = ["the", "company", "said", "."]
+    for sample in (True, False):
+        sampled_calls.clear()
+        out = tmp_path / f"sample-{sample}"
+        with caplog.at_level(logging.INFO, logger="elmo_core.train.loop"):
+            result = train(
+                TrainConfig(data=str(fixture_data), out=str(out), max_steps=4, sample_softmax=sample, **FIXTURE_OPTIONS)
+            )
+        said = "softmax: sampled, 16 log-uniform negatives" if sample else "softmax: exact over all 32 words"
+        assert said in caplog.text
+        assert bool(sampled_calls) == sample
+        caplog.clear()
+        model = result.model_dir
+        ours = BiLM.from_pretrained(str(model)).embed_sentences([sentence])[0]
+        theirs = ElmoEmbedder(str(model / "options.json"), str(model / "weights.hdf5")).embed_sentence(sentence)
+        np.testing.assert_allclose(theirs, ours, atol=1e-6)

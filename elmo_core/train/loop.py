@@ -171,7 +171,12 @@ def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
 
 
 def _sparse_softmax(config: TrainConfig, n_vocab: int, ddp: Rank) -> bool:
-    """Sparse softmax gradients: asked for, or by default for a large vocabulary with Adagrad on one process."""
+    """Sparse softmax gradients: asked for, or by default for a large vocabulary with Adagrad on one process (the
+    sampled softmax's: the exact softmax's gradient reaches every row)."""
+    if not config.sample_softmax:
+        if config.sparse_softmax:
+            raise ConfigError("sparse_softmax needs the sampled softmax (sample_softmax true)")
+        return False
     sparse = (
         config.sparse_softmax
         if config.sparse_softmax is not None
@@ -180,6 +185,18 @@ def _sparse_softmax(config: TrainConfig, n_vocab: int, ddp: Rank) -> bool:
     if sparse and (config.optimizer != "adagrad" or ddp.world > 1):
         raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
     return sparse
+
+
+def describe_softmax(config: TrainConfig, n_vocab: int, sparse: bool) -> str:
+    """The log line (and MLflow param) that says which softmax trains the model."""
+    if not config.sample_softmax:
+        return f"softmax: exact over all {n_vocab:,} words (sample_softmax false)"
+    negatives = min(config.n_negative_samples_batch, n_vocab)
+    return (
+        f"softmax: sampled, {negatives:,} log-uniform negatives of {n_vocab:,} words per step"
+        + (", sparse gradients" if sparse else "")
+        + " (bilm-tf's; sample_softmax false trains with the exact one)"
+    )
 
 
 def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
@@ -208,6 +225,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     if ddp.main:
         log.info("precision %s (%s)", precision, precision.why)
         log.info("%s", kernels)
+        log.info("%s", describe_softmax(config, len(vocab), sparse))
     run = Run(
         config=config,
         out=out,
@@ -293,6 +311,7 @@ def _start_tracking(
                 "steps_per_epoch": run.steps_per_epoch,
                 "world_size": ddp.world,
                 "sparse_softmax": sparse,
+                "softmax": describe_softmax(config, len(run.vocab), sparse),
                 "device": str(run.device),
                 "precision": run.precision,
                 "precision_reason": run.precision_reason,
@@ -312,7 +331,7 @@ def train_step(run: Run) -> dict[str, float] | None:
     batch = run.batches.next()
     if batch is None:  # cannot happen with loop=True unless the split is empty
         raise InputError(f"{run.data}/token_ids/train: no training batches")
-    sampled, num_tries = run.sampler.sample(config.n_negative_samples_batch)
+    sampled, num_tries = run.sampler.sample(config.n_negative_samples_batch) if config.sample_softmax else (None, 0)
     with autocast(run.device, run.precision):
         loss, loss_f, loss_b, new_state = run.model(
             batch["tokens_characters"],

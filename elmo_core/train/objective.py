@@ -1,7 +1,8 @@
 """The biLM under training: the model and its loss as one module, so DDP can wrap it.
 
-Both directions' top layers (dropout as bilm-tf applies it) ─► one shared softmax, sampled in training
-(``bilm.softmax.sampled_softmax_loss``); evaluation takes the full softmax over the same hidden states.
+Both directions' top layers (dropout as bilm-tf applies it) ─► one shared softmax: sampled in training
+(``bilm.softmax.sampled_softmax_loss``), or exact where ``sample_softmax`` is off (bilm-tf's option of that
+name; ``full_softmax_loss``, as evaluation takes it over the same hidden states).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from elmo_core.bilm.model import BiLM, LstmState
-from elmo_core.bilm.softmax import LogUniformSampler, sampled_softmax_loss
+from elmo_core.bilm.softmax import LogUniformSampler, full_softmax_loss, sampled_softmax_loss
 from elmo_core.errors import ConfigError
 from elmo_core.text.chars import model_ids
 
@@ -39,13 +40,20 @@ class LMObjective(nn.Module):
         targets_f: Tensor,
         targets_b: Tensor,
         state: LstmState | None,
-        sampled: Tensor,
+        sampled: Tensor | None,
         num_tries: int,
         sampler: LogUniformSampler,
     ) -> tuple[Tensor, Tensor, Tensor, LstmState]:
+        """The mean loss of both directions, each one's, and the new state; ``sampled`` None: the exact softmax."""
         top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
         softmax = self.bilm.softmax
         p = top_f.shape[-1]
+        if sampled is None:
+            loss_f, loss_b = (
+                full_softmax_loss(top.reshape(-1, p), targets.reshape(-1), softmax.weight, softmax.bias)
+                for top, targets in ((top_f, targets_f), (top_b, targets_b))
+            )
+            return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
         loss_f, loss_b = (
             sampled_softmax_loss(
                 top.reshape(-1, p),
