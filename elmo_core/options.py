@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elmo_core.config import ModelConfig, PresetName, preset
 from elmo_core.errors import ConfigError
@@ -29,6 +29,22 @@ Precision = Literal["auto", "fp32", "bf16"]  # training's
 # inference's: int8 runs the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is
 # emulated: docs/precision.md)
 InferencePrecision = Literal["fp32", "bf16", "int8"]
+
+
+BUDGET_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def budget_seconds(budget: str) -> float:
+    """``30m``, ``2h``, ``90s`` or bare seconds ─► seconds."""
+    text = budget.strip().lower()
+    unit = BUDGET_UNITS.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"budget {budget!r}: a number of seconds, or one followed by s, m or h (30m, 2h)") from None
+    if value <= 0:
+        raise ValueError(f"budget {budget!r}: must be more than nothing")
+    return value
 
 
 class Options(BaseModel):
@@ -202,6 +218,14 @@ class TrainOptions(Options):
     unroll_steps: int = Field(20, gt=0, description="truncated-BPTT window (tokens per row per step)")
     n_epochs: float = Field(10.0, gt=0, description="passes over the train split")
     max_steps: int | None = Field(None, gt=0, description="stop after this many steps (overrides n_epochs)")
+    budget: str | None = Field(
+        None,
+        description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs or "
+        "max_steps still stop it first",
+    )
+    budget_clock: Literal["wall", "cpu"] = Field(
+        "wall", description="what the budget counts: wall (the clock) or cpu (this process's CPU time, all threads)"
+    )
     n_train_tokens: int | None = Field(
         None, gt=0, description="fixes the steps per epoch; default: counted from the data"
     )
@@ -278,6 +302,13 @@ class TrainOptions(Options):
         """The model to build: ``model`` if given, else the preset; with a softmax over ``n_tokens_vocab`` words."""
         base = self.model or preset(self.preset)
         return base.model_copy(update={"n_tokens_vocab": n_tokens_vocab}) if n_tokens_vocab else base
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_reads(cls, budget: str | None) -> str | None:
+        if budget is not None:
+            budget_seconds(budget)  # its ValueError, named by the field
+        return budget
 
 
 class TrainConfig(TrainOptions):

@@ -46,7 +46,8 @@ ROOMS = {
         *("cache", "packed", "int8", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"),
     ],
     "train": [
-        *("checkpoint", "tracking", "objective", "evaluate", "export", "ddp", "run", "loop", "launch", "mlflow_model"),
+        *("checkpoint", "budget", "tracking", "objective", "evaluate", "export", "ddp", "run", "loop", "launch"),
+        "mlflow_model",
         "__init__",
     ],
     "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job

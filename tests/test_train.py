@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -612,3 +613,46 @@ def test_both_softmaxes_train_and_export_to_files_the_allennlp_drop_in_reads(
         ours = BiLM.from_pretrained(str(model)).embed_sentences([sentence])[0]
         theirs = ElmoEmbedder(str(model / "options.json"), str(model / "weights.hdf5")).embed_sentence(sentence)
         np.testing.assert_allclose(theirs, ours, atol=1e-6)
+
+
+def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spent(fixture_data, tmp_path, caplog):
+    """Training stops once the budget is spent (the log line says when), a resume counts what the checkpoint says
+    was spent, and the export happens as at the last step."""
+
+    def stopped_at() -> float:
+        found = re.findall(r"budget spent \(([0-9.]+) s of (\w+) time\)", caplog.text)
+        caplog.clear()
+        return float(found[-1][0]) if found else 0.0
+
+    options = {**FIXTURE_OPTIONS, "max_steps": 20_000, "checkpoint_every": 10**6}  # the budget ends it first
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="elmo_core.train.loop"):
+        first = train(TrainConfig(data=str(fixture_data), out=str(out), budget="2s", **options))
+        assert 0 < first.steps < 20_000 and (out / "model" / "weights.hdf5").exists()
+        assert 2.0 <= stopped_at() <= 2.0 * 1.05
+        spent = torch.load(latest_checkpoint(out), weights_only=False)["spent_seconds"]
+        assert spent >= 2.0
+        again = train(TrainConfig(data=str(fixture_data), out=str(out), budget="2s", resume=True, **options))
+        assert again.steps == first.steps  # nothing left of the budget: no step more
+        assert f"{spent:,.0f} s of it spent before this resume" in caplog.text
+        longer = train(TrainConfig(data=str(fixture_data), out=str(out), budget="4s", resume=True, **options))
+        assert longer.steps > first.steps and 4.0 <= stopped_at() <= 4.0 * 1.05
+        cpu = TrainConfig(data=str(fixture_data), out=str(tmp_path / "cpu"), budget="1s", budget_clock="cpu", **options)
+        assert train(cpu).steps < 20_000 and 1.0 <= stopped_at() <= 1.05
+
+
+def test_a_budget_that_does_not_read_is_one_line_naming_the_flag(tmp_path):
+    result = run_elmo("train", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--budget", "30x")
+    assert result.returncode == 2
+    assert "--budget" in result.stderr and "30m, 2h" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_cpu_budget_counts_cpu_time_and_a_wall_budget_the_clock():
+    from elmo_core.train.budget import Budget
+
+    cpu, wall = Budget("1s", "cpu", spent_before=0.5), Budget("1s", "wall")
+    cpu.start()
+    wall.start()
+    time.sleep(0.3)  # the process waits: the clock runs, its CPU time does not
+    assert cpu.spent() < 0.5 + 0.1 and wall.spent() >= 0.3
+    assert not cpu.exhausted() and Budget("1s", "cpu", spent_before=1.0).exhausted()

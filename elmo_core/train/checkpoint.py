@@ -53,6 +53,7 @@ class Checkpoint:
     model: dict[str, Tensor]  # the BiLM's state dict, softmax included
     optimizer: dict[str, Any]
     ranks: list[RankState]
+    spent_seconds: float = 0.0  # of the run's time budget, on its clock (``budget.py``); 0 in older checkpoints
 
     def payload(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"ranks": [asdict(r) for r in self.ranks]}

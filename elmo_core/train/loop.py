@@ -52,6 +52,7 @@ from elmo_core.options import TrainConfig
 from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.ranks import Rank, this_process
+from elmo_core.train.budget import Budget
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -223,9 +224,8 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     precision = resolve_precision(config.precision, device)  # decided once, for the run
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
     if ddp.main:
-        log.info("precision %s (%s)", precision, precision.why)
-        log.info("%s", kernels)
-        log.info("%s", describe_softmax(config, len(vocab), sparse))
+        for line in (f"precision {precision} ({precision.why})", kernels, describe_softmax(config, len(vocab), sparse)):
+            log.info("%s", line)
     run = Run(
         config=config,
         out=out,
@@ -256,6 +256,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         tracker=NullTracker(),
         steps_per_epoch=steps_per_epoch,
         total_steps=config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
+        budget=Budget(config.budget, config.budget_clock),
     )
     _resume_and_track(run, tracker, n_data_tokens, sparse)
     return run
@@ -492,6 +493,19 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
             lock.release()
 
 
+def _budget_spent(run: Run) -> bool:
+    return run.budget.seconds is not None and _agreed(run, run.budget.exhausted())
+
+
+def _agreed(run: Run, flag: bool) -> bool:
+    """``flag`` on any rank: every rank stops at the same step."""
+    if run.ddp.world == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=run.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 class _StopRequest:
     """SIGTERM to a rank of a launch (``launch.py``) asks it to stop: every rank stops at the same step (the flag is
     all-reduced each step), after a checkpoint. Active only in a launched rank's main thread."""
@@ -505,13 +519,7 @@ class _StopRequest:
         self.asked = True
 
     def agreed(self, run: Run) -> bool:
-        if not self.active:
-            return False
-        if run.ddp.world == 1:
-            return self.asked
-        flag = torch.tensor([int(self.asked)], device=run.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.active and _agreed(run, self.asked)
 
     def restore(self) -> None:
         if self.active:
@@ -523,9 +531,12 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
     status = "FAILED"
     stop = _StopRequest()
     try:
+        if run.ddp.main and config.budget is not None:
+            log.info("%s", run.budget.line())
+        run.budget.start()
         with track("train", run.total_steps, "steps", done=run.step) as progress:
             rate = TokenRate(run.tokens_per_step)
-            while run.step < run.total_steps:
+            while run.step < run.total_steps and not _budget_spent(run):
                 record = train_step(run)
                 if record is not None:
                     rate.count()
@@ -539,6 +550,13 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
                 if stop.agreed(run):
                     path = save(run)
                     raise TrainingStopped(f"stopped at step {run.step} on request; checkpoint {path}; rerun to resume")
+        if run.step < run.total_steps and run.ddp.main:
+            log.info(
+                "budget spent (%.2f s of %s time) at step %d: evaluating and exporting",
+                run.budget.spent(),
+                config.budget_clock,
+                run.step,
+            )
         result = finish(run)
         if run.ddp.world > 1:
             dist.barrier()  # every rank leaves together: none tears its process group down under another's export

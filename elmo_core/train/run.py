@@ -20,6 +20,7 @@ from elmo_core.errors import (
 )
 from elmo_core.options import TrainConfig
 from elmo_core.ranks import Rank
+from elmo_core.train.budget import Budget
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -77,6 +78,7 @@ class Run:
     history: list[dict[str, float]] = field(default_factory=list)
     node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
     best: BestWeights | None = None  # ``export: best`` (rank 0): the best weights so far
+    budget: Budget = field(default_factory=Budget)  # the time it may spend, resumes included
 
     @property
     def tokens_per_step(self) -> int:
@@ -116,6 +118,7 @@ def save(run: Run) -> Path | None:
         model={k: v.detach().cpu() for k, v in run.bilm.state_dict().items()},
         optimizer=run.optimizer.state_dict(),
         ranks=ranks,
+        spent_seconds=run.budget.spent(),
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
@@ -127,6 +130,7 @@ def restore(run: Run, checkpoint: Checkpoint) -> str | None:
     try:
         run.bilm.load_state_dict(checkpoint.model)
         run.optimizer.load_state_dict(checkpoint.optimizer)
+        run.budget.spent_before = checkpoint.spent_seconds
     except (RuntimeError, ValueError, KeyError) as exc:
         raise CheckpointError(
             f"{checkpoint_dir(run.out)}: the checkpoint of step {checkpoint.step} does not fit this run's "

@@ -1,0 +1,37 @@
+"""The time a training may spend (``budget``): counted on the clock it names, carried across resumes in the
+checkpoints, so a run stopped at 20 of its 30 minutes and resumed stops at 30, not at 50."""
+
+from __future__ import annotations
+
+import time
+
+from elmo_core.options import budget_seconds
+
+
+class Budget:
+    """``seconds`` of ``clock`` time ("wall" or "cpu": this process's CPU time, every thread's), ``spent_before``
+    of it spent by the processes this run resumes; no budget: never exhausted."""
+
+    def __init__(self, budget: str | None = None, clock: str = "wall", spent_before: float = 0.0) -> None:
+        self.seconds = budget_seconds(budget) if budget is not None else None
+        self.clock, self.spent_before = clock, spent_before
+        self._started: float | None = None
+
+    def _now(self) -> float:
+        return time.process_time() if self.clock == "cpu" else time.monotonic()
+
+    def start(self) -> None:
+        """From now on this process's time counts (after setup: loading data and the model is not training)."""
+        self._started = self._now()
+
+    def spent(self) -> float:
+        return self.spent_before + (self._now() - self._started if self._started is not None else 0.0)
+
+    def exhausted(self) -> bool:
+        return self.seconds is not None and self.spent() >= self.seconds
+
+    def line(self) -> str:
+        if self.seconds is None:
+            return "no time budget"
+        before = f", {self.spent_before:,.0f} s of it spent before this resume" if self.spent_before else ""
+        return f"budget: {self.seconds:,.0f} s of {self.clock} time{before}"
