@@ -71,6 +71,18 @@ RECIPES: dict[str, dict[str, Any]] = {
         "lr_schedule": "inverse_sqrt",
         "warmup_steps": 300,
     },
+    # the exact softmax (sample_softmax false, #38): every softmax row's gradient exact, so Adam-family optimizers
+    # see no seldom-sampled rows
+    "exact-adagrad": {**TODAY, "precision": "bf16", "sample_softmax": False},
+    "exact-adamw": {
+        **TODAY,
+        "precision": "bf16",
+        "sample_softmax": False,
+        "optimizer": "adamw",
+        "learning_rate": 2e-3,
+        "lr_schedule": "inverse_sqrt",
+        "warmup_steps": 300,
+    },
 }
 
 

@@ -30,9 +30,10 @@ PROBES = [line for line in (ROOT / "data" / "probes" / "apple.txt").read_text(en
 LIMITS = ["--max-queue-tokens", "1000", "--max-sentence-tokens", "40", "--max-sentences", "16"]
 
 
-def _serve(tmp: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def _serve(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "elmo_core.cli", "serve", str(MODEL), "--port", str(port), *flags]
+    model = [str(MODEL)] if not args or args[0].startswith("--") else []  # the fixture unless files are given
+    command = [sys.executable, "-m", "elmo_core.cli", "serve", *model, "--port", str(port), *args]
     server = start_server(command, f"http://127.0.0.1:{port}/health", tmp / "serve.log", env=env)
     return server, f"http://127.0.0.1:{port}"
 
@@ -297,6 +298,8 @@ def test_ready_after_warm_up_api_key_and_sigterm_drains(tmp_path: Path) -> None:
 def test_bad_model_is_one_line_before_the_port_is_taken(tmp_path: Path) -> None:
     from tests.helpers import run_elmo
 
+    result = run_elmo("serve", str(MODEL / "options.json"), "--weight-file", str(tmp_path / "w.hdf5"))
+    assert result.returncode == 2 and result.stderr.strip().endswith("no such weight file (--weight-file)")
     result = run_elmo("serve", str(tmp_path / "nowhere"), "--port", str(free_port()))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -340,5 +343,32 @@ def test_registered_model_served_and_its_pyfunc_signature(tmp_path: Path, bilm: 
         _ready(base)
         answer = httpx.post(f"{base}/embed", json={"sentences": list(frame["sentence"]), "output": "mean"}).json()
         np.testing.assert_allclose(np.array([d["embedding"] for d in answer["data"]]), pooled, atol=1e-6)
+    finally:
+        stop_group(proc)
+
+
+@pytest.mark.slow
+def test_published_files_served_by_two_model_processes_sharing_the_cores(tmp_path: Path, bilm: BiLM) -> None:
+    """The AllenNLP files given as they are published (options.json, then --weight-file), two model processes each
+    with its share of the cores; both answer, and the same numbers."""
+    import psutil
+
+    proc, base = _serve(
+        tmp_path, str(MODEL / "options.json"), "--weight-file", str(MODEL / "lm_weights.hdf5"), "--workers", "2"
+    )
+    try:
+        _until(lambda: httpx.get(f"{base}/ready").json().get("workers_ready") == 2, "two warm model processes")
+        workers = httpx.get(f"{base}/info").json()["workers"]
+        share = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert [w["threads"] for w in workers] == [share, share] and len({w["pid"] for w in workers}) == 2
+        sentence = ["I", "ate", "an", "apple", "."]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(
+                pool.map(lambda _: httpx.post(f"{base}/embed", json={"sentences": [sentence]}).json(), range(16))
+            )
+        want = bilm.embed_sentences([sentence])[0].mean(0)
+        for answer in answers:
+            np.testing.assert_allclose(np.array(answer["data"][0]["embedding"]), want, atol=1e-6)
+        assert all(psutil.Process(w["pid"]).nice() == 5 for w in workers)  # under the HTTP process
     finally:
         stop_group(proc)

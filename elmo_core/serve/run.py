@@ -76,6 +76,8 @@ def check_model(config: ServeConfig) -> None:
         raise ConfigError(f"{source}: no options.json in it; give a model directory (options.json + weights.hdf5)")
     if source.is_file() and config.weight_file is None:
         raise ConfigError(f"{source}: an options file; give its weights too (--weight-file weights.hdf5)")
+    if config.weight_file is not None and not Path(config.weight_file).is_file():
+        raise ConfigError(f"{config.weight_file}: no such weight file (--weight-file)")
 
 
 def serve(config: ServeConfig) -> Served:
