@@ -93,12 +93,10 @@ class BatchEmbedder:
     def __init__(
         self, model: str | Path, weight_file: str | None = None, device: str = "auto", precision: str = "fp32"
     ) -> None:
-        threads = apply_thread_share()
+        apply_thread_share()  # this process's share of the cores (``/info`` reports its threads)
         self.device = pick_device(device)
         self.precision = resolve_precision(precision, self.device)
         self.bilm = BiLM.from_pretrained(str(model), weight_file, device=self.device, precision=self.precision)
-        self.threads_line = threads or f"torch threads: {torch.get_num_threads()}"
-        self._mixes: dict[tuple[tuple[float, ...] | None, float], torch.Tensor] = {}
         self.words = WordVectors(self.bilm)
 
     def warm_up(self) -> float:
@@ -121,12 +119,9 @@ class BatchEmbedder:
         }
 
     def _mix(self, spec: Output) -> torch.Tensor:
-        """γ · softmax(w) of a request's mix, (L+1,), made once per distinct (w, γ)."""
-        key = (spec.mix_weights, spec.gamma)
-        if key not in self._mixes:
-            mix = fixed_mix(self.bilm.num_layers, spec.mix_weights, spec.gamma)
-            self._mixes[key] = mix.weights().detach().to(self.device)
-        return self._mixes[key]
+        """γ · softmax(w) of a request's mix, (L+1,): made per batch for each output asked (a few numbers; kept
+        nowhere, so clients sending ever new weights grow nothing)."""
+        return fixed_mix(self.bilm.num_layers, spec.mix_weights, spec.gamma).weights().detach().to(self.device)
 
     @torch.no_grad()
     def run(self, batch: Batch) -> Answer:
@@ -141,19 +136,21 @@ class BatchEmbedder:
         ids = cache.ids(batch.sentences).to(self.device)
         layers, counts, _ = self.bilm.token_rows(ids, token_table=cache.table.to(self.device))
         stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P), sentence after sentence
+        mixes = [self._mix(spec) if spec.kind != "layers" else None for spec in batch.specs]
         start = 0
         for i, n in enumerate(counts.tolist()):
-            spec = batch.specs[batch.outputs[i]]
-            array = self._shape(stacked[:, start : start + n], spec)
+            spec, mix = batch.specs[batch.outputs[i]], mixes[batch.outputs[i]]
+            array = self._shape(stacked[:, start : start + n], spec, mix)
             start += n
             shapes.append(array.shape)
             embeddings.append(encode(array, spec))
         return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, len(cache.words), self.words.missed)
 
-    def _shape(self, layers: torch.Tensor, spec: Output) -> np.ndarray:
-        if spec.kind == "layers":
+    @staticmethod
+    def _shape(layers: torch.Tensor, spec: Output, mix: torch.Tensor | None) -> np.ndarray:
+        if mix is None:  # every layer
             return layers.cpu().numpy()
-        mixed = (self._mix(spec)[:, None, None] * layers).sum(0)  # as the batch job mixes (vectors/embed.py)
+        mixed = (mix[:, None, None] * layers).sum(0)  # as the batch job mixes (vectors/embed.py)
         if spec.kind == "mean":
             mixed = mixed.mean(0)
         return mixed.cpu().numpy()

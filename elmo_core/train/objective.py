@@ -46,25 +46,13 @@ class LMObjective(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor, LstmState]:
         """The mean loss of both directions, each one's, and the new state; ``sampled`` None: the exact softmax."""
         top_f, top_b, new_state = self.hidden(chars_f, chars_b, state)
-        softmax = self.bilm.softmax
-        p = top_f.shape[-1]
-        if sampled is None:
-            loss_f, loss_b = (
-                full_softmax_loss(top.reshape(-1, p), targets.reshape(-1), softmax.weight, softmax.bias)
-                for top, targets in ((top_f, targets_f), (top_b, targets_b))
-            )
-            return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
-        loss_f, loss_b = (
-            sampled_softmax_loss(
-                top.reshape(-1, p),
-                targets.reshape(-1),
-                softmax.weight,
-                softmax.bias,
-                sampled,
-                num_tries,
-                sampler,
-                self.sparse,
-            )
-            for top, targets in ((top_f, targets_f), (top_b, targets_b))
-        )  # float32 losses: under autocast only the logits product is bf16
+        w, b = self.bilm.softmax.weight, self.bilm.softmax.bias
+
+        def loss(top: Tensor, targets: Tensor) -> Tensor:  # float32: under autocast only the logits product is bf16
+            hidden, targets = top.reshape(-1, top.shape[-1]), targets.reshape(-1)
+            if sampled is None:
+                return full_softmax_loss(hidden, targets, w, b)
+            return sampled_softmax_loss(hidden, targets, w, b, sampled, num_tries, sampler, self.sparse)
+
+        loss_f, loss_b = loss(top_f, targets_f), loss(top_b, targets_b)
         return 0.5 * (loss_f + loss_b), loss_f, loss_b, new_state
