@@ -234,8 +234,9 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-def authorized(request: Request) -> None:
-    """With an API key, the request must carry it as a Bearer token (compared in constant time)."""
+async def authorized(request: Request) -> None:
+    """With an API key, the request must carry it as a Bearer token (compared in constant time). A coroutine: FastAPI
+    runs a plain function dependency in a thread of its pool, a thread handoff on every request."""
     key = _server(request).config.api_key
     if key is None:
         return
