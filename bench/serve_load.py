@@ -278,8 +278,8 @@ def worker_alone(model_dir: Path, sentences: list[list[str]], size: int, precisi
     a server can give when C clients make batches of about C/2."""
     import random
 
-    from elmo_core.serve.api import Output
-    from elmo_core.serve.compute import Batch, BatchEmbedder
+    from elmo_core.serve.api import Batch, Output
+    from elmo_core.serve.compute import BatchEmbedder
 
     embedder = BatchEmbedder(str(model_dir), precision=precision)
     rng = random.Random(0)

@@ -295,6 +295,15 @@ def test_ready_after_warm_up_api_key_and_sigterm_drains(tmp_path: Path) -> None:
         stop_group(proc)
 
 
+def test_the_http_process_never_loads_torch() -> None:
+    """What the HTTP process imports (the CLI, the start-up, the app, the queue, the pool) leaves torch to the model
+    processes: the server process holds no model's worth of libraries and binds its port before anything heavy."""
+    code = "import sys, elmo_core.cli, elmo_core.serve.run, elmo_core.serve.app\nprint('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_bad_model_is_one_line_before_the_port_is_taken(tmp_path: Path) -> None:
     from tests.helpers import run_elmo
 

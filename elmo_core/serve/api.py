@@ -1,6 +1,7 @@
 """What a client sends and gets: the request bodies (validated by pydantic, so a bad one is a 422 naming its field),
-the output a request asks for (which travels to the model process with its sentences), and the errors a request
-can meet on its way, each with its HTTP status."""
+the output a request asks for, what travels between the HTTP process and a model process (``Batch`` there,
+``Answer`` back), and the errors a request can meet on its way, each with its HTTP status. Nothing here imports
+torch: the HTTP process never loads it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,33 @@ class Output:
     gamma: float = 1.0
     encoding: Encoding = "float"
     dtype: VectorType = "float32"
+
+
+@dataclass
+class Batch:
+    """Sentences of one or more requests; ``outputs[i]`` is the index in ``specs`` of sentence i's output."""
+
+    id: int
+    sentences: list[list[str]]
+    outputs: list[int]
+    specs: list[Output]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.sentences)
+
+
+@dataclass
+class Answer:
+    """A batch's answers: per sentence its ``shape`` and its embedding as JSON text; the seconds it took, and how
+    many of its distinct words went through the char CNN (the rest were kept from earlier batches)."""
+
+    id: int
+    shapes: list[tuple[int, ...]]
+    embeddings: list[bytes]
+    seconds: float
+    words: int = 0
+    new_words: int = 0
 
 
 class EmbedRequest(BaseModel):

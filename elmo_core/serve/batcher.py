@@ -21,8 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elmo_core.serve.api import Output, QueueFull, RequestError, Unavailable
-from elmo_core.serve.compute import Answer, Batch
+from elmo_core.serve.api import Answer, Batch, Output, QueueFull, RequestError, Unavailable
 from elmo_core.serve.metrics import ServerMetrics
 from elmo_core.serve.workers import Worker, WorkerEvents, WorkerPool
 

@@ -17,7 +17,6 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,39 +28,12 @@ from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.scalar_mix import fixed_mix
 from elmo_core.cpu import apply_thread_share, describe
 from elmo_core.precision import pick_device, resolve_precision
-from elmo_core.serve.api import Output
+from elmo_core.serve.api import Answer, Batch, Output
 
 log = logging.getLogger(__name__)
 
 WORD_CACHE_BYTES = 64 << 20  # layer-0 vectors kept per model process: 131k words of the small shape, 32k original
 WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
-
-
-@dataclass
-class Batch:
-    """Sentences of one or more requests; ``outputs[i]`` is the index in ``specs`` of sentence i's output."""
-
-    id: int
-    sentences: list[list[str]]
-    outputs: list[int]
-    specs: list[Output]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s) for s in self.sentences)
-
-
-@dataclass
-class Answer:
-    """A batch's answers: per sentence its ``shape`` and its embedding as JSON text; the seconds it took, and how
-    many of its distinct words went through the char CNN (the rest were kept from earlier batches)."""
-
-    id: int
-    shapes: list[tuple[int, ...]]
-    embeddings: list[bytes]
-    seconds: float
-    words: int = 0
-    new_words: int = 0
 
 
 class WordVectors:

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from elmo_core import cpu
-from elmo_core.serve.compute import Answer, Batch
+from elmo_core.serve.api import Answer, Batch
 
 log = logging.getLogger(__name__)
 
