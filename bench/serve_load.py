@@ -121,7 +121,7 @@ def mlflow_target(base: str) -> Target:
 async def closed_loop(target: Target, sentences: list[list[str]], clients: int, seconds: float) -> dict:
     """``clients`` clients, each sending its next sentence when the last is answered."""
     latencies: list[float] = []
-    statuses: dict[int, int] = {}
+    statuses: dict[int | str, int] = {}
     tokens = 0
     counter = iter(range(10**9))
     async with aiohttp.ClientSession(
@@ -136,8 +136,8 @@ async def closed_loop(target: Target, sentences: list[list[str]], clients: int, 
                 async with client.post(target.url, json=target.body(sentence)) as answer:
                     await answer.read()
                     status = answer.status
-            except (TimeoutError, aiohttp.ClientError):
-                status = -1
+            except (TimeoutError, aiohttp.ClientError) as exc:  # no answer: say which kind
+                status = type(exc).__name__
             if measure:
                 statuses[status] = statuses.get(status, 0) + 1
                 if status == 200:

@@ -295,6 +295,23 @@ def test_ready_after_warm_up_api_key_and_sigterm_drains(tmp_path: Path) -> None:
         stop_group(proc)
 
 
+@pytest.mark.slow
+def test_an_idle_connection_outlives_a_few_seconds(server: str) -> None:
+    """A client's keep-alive connection, idle longer than uvicorn's default 5 s, still takes the next request: a
+    server that closes first races a client reusing the connection, and that POST is lost."""
+    request = b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    body = b'{"sentences": [["kept", "alive"]]}'
+    with socket.create_connection(server.removeprefix("http://").split(":"), timeout=30) as client:
+        reader = client.makefile("rb")
+        for _ in range(2):
+            client.sendall(request % (len(body), body))
+            status = reader.readline()
+            assert status.startswith(b"HTTP/1.1 200"), status  # b"": the server had closed the connection
+            headers = dict(line.rstrip(b"\r\n").split(b": ", 1) for line in iter(reader.readline, b"\r\n"))
+            assert reader.read(int(headers[b"content-length"])).startswith(b'{"model"')
+            time.sleep(6)  # the idleness under test, not a wait for something to happen
+
+
 def test_the_http_process_never_loads_torch() -> None:
     """What the HTTP process imports (the CLI, the start-up, the app, the queue, the pool) leaves torch to the model
     processes: the server process holds no model's worth of libraries and binds its port before anything heavy."""

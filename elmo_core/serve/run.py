@@ -21,6 +21,12 @@ from elmo_core.options import ServeConfig
 
 log = logging.getLogger(__name__)
 
+# An idle client connection stays open longer than load balancers keep theirs (60 s on AWS's ALB and in nginx's
+# upstream keep-alive): the side that closes first races the other reusing the connection, and a POST lost that way
+# is not retried. With uvicorn's 5 s, closed-loop clients 7 s apart met ServerDisconnectedError (bench/serve_load.py,
+# 256 clients, batching off).
+KEEP_ALIVE_SECONDS = 75
+
 API_KEY_ENV = "ELMO_API_KEY"
 
 
@@ -117,6 +123,7 @@ def serve(config: ServeConfig) -> Served:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=int(config.drain_seconds),
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
             lifespan="on",
         )
     )
