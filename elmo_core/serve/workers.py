@@ -25,10 +25,10 @@ from elmo_core.serve.api import Answer, Batch
 
 log = logging.getLogger(__name__)
 
-RESTARTS_BEFORE_GIVING_UP = 5
+RESTARTS_BEFORE_GIVING_UP = 5  # deaths in a row with no batch answered in between: the model cannot run here
 # Below the HTTP process in the CPU's queue: when a burst and the model want the same cores, the HTTP process
 # still reads requests and answers 429s at once, and the model takes the rest.
-WORKER_NICENESS = 5  # deaths in a row with no batch answered in between: the model cannot run here
+WORKER_NICENESS = 5
 
 
 @dataclass(frozen=True)
