@@ -476,18 +476,19 @@ def test_install_changes_nothing_where_allennlp_is_importable_and_says_so_once(t
 
 
 def test_without_gradients_the_fast_kernels_run_and_with_them_the_reference(files, monkeypatch):
-    from elmo_core.bilm.kernels import fused_gates
+    from elmo_core.bilm.kernels import fused_gates, step_loop
 
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())
     calls: list[int] = []
-    kernel = fused_gates.lstm_gates
+    kernel, loop = fused_gates.lstm_gates, step_loop.lstm_steps
     monkeypatch.setattr(fused_gates, "lstm_gates", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(step_loop, "lstm_steps", lambda *a, **k: calls.append(1) or loop(*a, **k))
     elmo = Elmo(*files, 1, dropout=0.0, requires_grad=True)
     ids = batch_to_ids(SENTENCES)
     with torch.no_grad():
         fast = elmo(ids)["elmo_representations"][0]
-    assert calls  # the C gate kernel ran
+    assert calls  # the C kernels ran (the step loop, or the gates where it is off)
     calls.clear()
     exact = elmo(ids)["elmo_representations"][0]
     assert not calls and exact.requires_grad  # the differentiable reference

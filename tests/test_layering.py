@@ -43,7 +43,8 @@ ROOMS = {
         *("info", "softmax", "__init__"),
     ],
     "bilm.kernels": [
-        *("cache", "packed", "int8", "fused_gates", "trained_step", "char_cnn", "cells", "choice", "__init__"),
+        *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells", "choice"),
+        "__init__",
     ],
     "train": [
         *("checkpoint", "budget", "tracking", "objective", "evaluate", "export", "ddp", "run", "loop", "launch"),

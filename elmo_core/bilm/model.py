@@ -15,17 +15,12 @@ reversed) and training (two independent streams of windows, ``backward_inputs``,
 each distinct token runs through the char CNN once, the LSTMs run on packed rows (no work on padding), and one
 gather (``Packing.unpack``) lays the outputs out, padded (B, T, 2P) or as the rows of the real tokens.
 
-State is explicit: ``forward`` takes an optional LSTM state and returns the new one beside the layers; whoever wants
-bilm-tf's stateful protocol carries it (``inference.StateCarry``). Parameters of each LSTM are held by a
-``torch.nn.LSTM(proj_size=P)`` in PyTorch's layout (gates i, f, g, o; ``bias_hh`` holds TensorFlow's constant
-forget-gate +1 and is frozen). With clipping (every published model) the recurrence is ``LstmCell`` stepped by
-``_recurrence``; without it ``nn.LSTM`` itself runs (cuDNN on GPU).
-
-What runs each call is chosen once and held by the model (``KernelChoice``, ``bilm.runs``): ``BiLM.prepare(
-precision)`` picks the inference kernels of ``elmo_core/bilm/kernels/`` (prepared weights, oneDNN packing, a C gate
-kernel), ``BiLM.prepare_training()`` the training ones (a step as one autograd node, the char CNN's sparse
-backward); without either, the reference ``LstmCell`` below runs. A fresh model's initialization for training is in
-``initialization.py``.
+State is explicit: ``forward`` takes an optional LSTM state and returns the new one (``inference.StateCarry``
+carries it for bilm-tf's stateful protocol). Each LSTM's parameters sit in a ``torch.nn.LSTM(proj_size=P)``
+(gates i, f, g, o; ``bias_hh`` holds TensorFlow's constant forget-gate +1). With clips (every published model) the
+recurrence is ``LstmCell`` stepped by ``_recurrence``, else ``nn.LSTM`` itself (cuDNN on GPU). What runs is chosen
+once (``KernelChoice``): ``BiLM.prepare(precision)`` picks the inference kernels of ``bilm/kernels/`` (prepared
+weights, oneDNN packing, C gates, a layer's steps in one C loop), ``prepare_training()`` the training ones.
 """
 
 from __future__ import annotations
@@ -138,18 +133,20 @@ class TokenEncoder(nn.Module):
 
 # ----- 2. LSTM with projection and clipping ---------------------------------------------------------
 #
-# Both directions of a layer share one packing (the same lengths), so they run together: weights stacked as
-# (2, ...), state (2, rows, ...), one batched product and one set of element-wise ops per time step. Packed data
-# is time-major with rows sorted longest first: step t holds the first ``batch_sizes[t]`` rows, so rows that have
-# ended drop out of the batch and each row's final state is its state after its last real step.
+# Both directions of a layer share one packing (the same lengths) and run together: weights (2, ...), state
+# (2, rows, ...), one batched product and one set of element-wise ops per step. Packed data is time-major, rows
+# sorted longest first: step t holds the first ``batch_sizes[t]`` rows, so ended rows drop out, keeping their state.
 
 
 class Cell(Protocol):
     """One layer's step, both directions: ``LstmCell`` here, or a kernel's (``kernels.cells.CpuCell``)."""
 
+    loop_rows: int  # from the first step of at most this many rows, ``run_steps`` runs the rest in one call
+
     def steps(self, x: Tensor, batch_sizes: list[int]) -> Iterable[Any]: ...
     def word_steps(self, table: Tensor, ids: Tensor, batch_sizes: list[int]) -> Iterable[Any]: ...
     def step(self, source: Any, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]: ...
+    def run_steps(self, sources: list[Any], batch_sizes: list[int], h: Tensor, c: Tensor) -> tuple[Tensor, ...]: ...
 
 
 def _at_least_fp32(t: Tensor) -> Tensor:
@@ -163,6 +160,8 @@ class LstmCell:
     dtype and the gates and the cell state in float32. ``one_node``: each step runs as one autograd node, these
     products with the gates in C forward and backward, and the weight gradients come once per window
     (``kernels.trained_step.Window``; CPU tensors): the same numbers to float rounding."""
+
+    loop_rows = 0  # every step from Python
 
     def __init__(self, pair: Sequence[nn.LSTM], clips: Clips, one_node: bool = False) -> None:
         self.cell_clip, self.proj_clip = clips
@@ -213,15 +212,17 @@ def _recurrence(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One layer over packed time-major rows: the outputs (2, N, P) and each row's final h (2, B, P), c (2, B, H),
     rows in the packing's sorted order."""
-    h, c = h0, _at_least_fp32(c0)
-    outputs: list[Tensor] = []
-    ended_h: list[Tensor] = []  # final states of rows that ended, the last-ending first
-    ended_c: list[Tensor] = []
-    for n, source in zip(batch_sizes, sources):
+    h, c, sources = h0, _at_least_fp32(c0), iter(sources)
+    outputs, ended_h, ended_c = [], [], []  # ended: final states of rows that ended, the last-ending first
+    for t, (n, source) in enumerate(zip(batch_sizes, sources)):
         if n < h.shape[1]:
             ended_h.append(h[:, n:])
             ended_c.append(c[:, n:])
             h, c = h[:, :n], c[:, :n]
+        if n <= cell.loop_rows:  # this step and the rest in one call (``kernels.step_loop``)
+            out, h, c = cell.run_steps([source, *sources], batch_sizes[t:], h, c)
+            outputs.append(out)
+            break
         h, c = cell.step(source, h, c)
         outputs.append(h)
     h_n = torch.cat([h, *reversed(ended_h)], dim=1) if ended_h else h

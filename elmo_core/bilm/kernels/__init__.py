@@ -8,6 +8,7 @@ arithmetic; this package holds what makes its inference and its training fast on
     cache        ``WeightCache``: derived weights (stacked, cast, packed) kept until a parameter changes
     packed       weights packed once into oneDNN's layout for the small per-step products
     fused_gates  the gate arithmetic of a step as one C loop (``lstm_gates.c``), built on first use
+    step_loop    fp32: a layer's steps in one C call (``lstm_steps.c``, the same library), every step or the last few
     trained_step  a training step of an LSTM layer as one autograd node: PyTorch's products, the gates in C
     char_cnn     the char CNN's convolution and max in training, its backward in C at each max's position only
                  (``char_cnn.c``, built into the same library)

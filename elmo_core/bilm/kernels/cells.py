@@ -13,7 +13,8 @@ It computes what ``model.LstmCell`` (the reference) computes, with the weights p
 * **int8**: as fp32, with every per-step product (input with state, recurrent, projection) on int8 weights with
   activations quantized per call (``int8.py``); layer 0's per-word input gates, the gates and the state stay fp32.
 
-The gate arithmetic of a step runs as one C loop where it could be built (``fused_gates.py``), else as PyTorch ops.
+The gate arithmetic of a step runs as one C loop where it could be built (``fused_gates.py``), else as PyTorch ops;
+in fp32 a layer's steps run in one C call from the first step of ``loop_rows`` rows or fewer (``step_loop.py``).
 Layer 0 reads its input gates per distinct word (``word_steps``): one product per word, not per token.
 """
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from elmo_core.bilm.kernels import fused_gates
+from elmo_core.bilm.kernels import fused_gates, step_loop
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.kernels.int8 import Int8Weights
 from elmo_core.bilm.kernels.packed import PackedWeights
@@ -99,8 +100,11 @@ class CpuCell:
         min_packed: int | None,
         gate_kernel: bool,
         int8: bool = False,
+        c_loop: bool = False,
     ) -> None:
         self.hidden, (self.cell_clip, self.proj_clip) = pair[0].hidden_size, clips
+        self.loop_rows = 0  # steps of at most this many rows run in one C call, with every step after them
+        self.panels_hh = self.panels_hr = None
         self.dtype, self.gate_kernel = dtype, gate_kernel
         bf16 = dtype == torch.bfloat16
         self.g_scale = 0.5 if bf16 else 1.0  # bf16 weights carry the g-gate factor 2; the C loop undoes it
@@ -121,6 +125,11 @@ class CpuCell:
         self.packed_hh = packed("hh", hh, lambda: self.w_hh_t)
         self.packed_hr = packed("hr", hr, lambda: self.w_hr_t)
         self.packed_cat = packed("cat", self.w_ih_t[0].numel() + hh, self._input_and_recurrent)
+        if c_loop and kind == "fp32":
+            self.loop_rows = step_loop.rows(packed=self.packed_hh is not None or self.packed_cat is not None)
+            self.panels_hh = cache.get(pair, "fp32-hh-panels", lambda: step_loop.panels(self.w_hh_t))
+            if self.w_hr_t is not None:
+                self.panels_hr = cache.get(pair, "fp32-hr-panels", lambda: step_loop.panels(self.w_hr_t))
         # bf16 always fuses the input into the step's product; fp32 only on packed weights (with bmm, one product
         # for every step's input gates is faster)
         self.fuses_input = bf16 or self.packed_cat is not None
@@ -182,6 +191,21 @@ class CpuCell:
             m, c = self._cell(self._recurrent_products(h), c, None, source)
         h = self._project(m)
         return (h.clamp(-self.proj_clip, self.proj_clip) if self.proj_clip is not None else h), c
+
+    def run_steps(
+        self, sources: list[StepInput | GateRows | Tensor], batch_sizes: list[int], h: Tensor, c: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The rest of the layer, from a step of at most ``loop_rows`` rows, in one C call (``step_loop``): the
+        outputs (2, sum(batch_sizes), P) and every row's final (h, c)."""
+        first = sources[0]
+        if isinstance(first, GateRows):
+            inputs: list[Tensor] | tuple = (first.table, [s.rows for s in sources], first.bias)  # type: ignore[union-attr]
+        elif isinstance(first, StepInput):  # these steps' input gates in one product
+            inputs = [torch.baddbmm(self.bias, torch.cat([s.x for s in sources], dim=1), self.w_ih_t)]  # type: ignore[union-attr]
+        else:
+            inputs = sources  # type: ignore[assignment]
+        clips = {"cell_clip": self.cell_clip, "proj_clip": self.proj_clip}
+        return step_loop.lstm_steps(inputs, batch_sizes, h, c, w_hh=self.panels_hh, w_hr=self.panels_hr, **clips)
 
     def _recurrent_products(self, h: Tensor) -> Tensor | list[Tensor]:
         h = h.to(self.dtype)

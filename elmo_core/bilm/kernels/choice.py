@@ -19,6 +19,7 @@ from torch import nn
 
 from elmo_core import cpu
 from elmo_core.bilm.kernels import char_cnn, fused_gates, int8, packed, trained_step
+from elmo_core.bilm.kernels import step_loop as step_loop_module
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.kernels.cells import CpuCell
 from elmo_core.config import LstmConfig
@@ -55,6 +56,7 @@ class Kernels:
     gate_kernel: bool = False
     packed_weights: str = ""
     gate_kernel_note: str = ""
+    step_loop: bool = False  # fp32: a layer's steps in one C call (``step_loop``), every one or the last few
     cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
 
     def __str__(self) -> str:
@@ -71,7 +73,8 @@ class Kernels:
             f"precision {self.precision} on {self.device}: {cpu.facts().line()}, torch CPU kernels "
             f"{cpu.torch_capability()}, native bf16 "
             f"{'yes' if cpu_has_native_bf16() else 'no'}, {products}, "
-            f"LSTM gates fused in C {self.gate_kernel_note}"
+            f"LSTM gates fused in C {self.gate_kernel_note}, a layer's steps in one C loop "
+            f"{step_loop_module.describe() if self.step_loop else 'no'}"
         )
 
     def runs_on(self, device: torch.device) -> bool:
@@ -90,6 +93,7 @@ class Kernels:
             min_packed=self.min_packed,
             gate_kernel=self.gate_kernel,
             int8=self.precision == "int8",
+            c_loop=self.step_loop,
         )
 
     def token_encoder(self, encoder: nn.Module) -> nn.Module:
@@ -117,11 +121,13 @@ def choose(
     min_packed: int | None | str = "auto",
     gate_kernel: bool | None = None,
     nn_lstm: bool | None = None,
+    step_loop: bool | None = None,
 ) -> Kernels:
     """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
     else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
     gate kernel where it builds; on CUDA the reference. Each choice can be forced (the tests run every combination);
-    ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off."""
+    ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In fp32 with the C
+    library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or ``ELMO_NO_STEP_LOOP=1``: never)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
@@ -149,6 +155,7 @@ def choose(
         gate_kernel=gate_kernel,
         packed_weights=_describe_packing(lstm, min_packed, why_not),  # type: ignore[arg-type]
         gate_kernel_note=gate_note,
+        step_loop=precision == "fp32" and bool(gate_kernel) and step_loop is not False and step_loop_module.on(),
     )
 
 

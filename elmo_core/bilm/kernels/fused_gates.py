@@ -5,12 +5,12 @@ over the (2, rows, 4H) pre-activations: the bias or input-gate add, a float32 co
 tanh, slices, products, clamp and casts, a share of the call that grows with the shape. The C loop reads each element
 once and writes the cell state and the cell output (already in the dtype the projection takes).
 
-The sources (``lstm_gates.c``, and ``char_cnn.c`` for training's char CNN) are compiled into one library with the
-machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this CPU (``-march=native``;
-``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``$ELMO_CACHE_DIR`` (default ``~/.cache/elmo-pipeline``), under a
-name that hashes the sources, the flags, the compiler and the CPU; later processes load the built library. Without a
-C compiler, or with ``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says
-which, and why).
+The sources (``lstm_gates.c``; ``lstm_steps.c``, the last steps of a layer; ``char_cnn.c``, training's char CNN) are
+compiled into one library with the machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this
+CPU (``-march=native``; ``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``$ELMO_CACHE_DIR`` (default
+``~/.cache/elmo-pipeline``), under a name that hashes the sources, the flags, the compiler and the CPU; later
+processes load the built library. Without a C compiler, or with ``ELMO_NO_FUSED_GATES=1``, the cells run the same
+arithmetic in PyTorch ops (``describe`` says which, and why).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from elmo_core.bilm.lstm_math import reference_gates
 
 log = logging.getLogger(__name__)
 
-# one library: the LSTM gates (inference and training) and the char CNN's training backward (``char_cnn.py``)
-SOURCES = [Path(__file__).with_name(name) for name in ("lstm_gates.c", "char_cnn.c")]
+# one library: the LSTM gates (inference and training), the last steps of a layer (``step_loop.py``) and the char CNN's
+# training backward (``char_cnn.py``); the header is hashed with them
+SOURCES = [Path(__file__).with_name(name) for name in ("lstm_gates.c", "lstm_steps.c", "char_cnn.c")]
+HEADERS = [Path(__file__).with_name("lstm_math.h")]
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]
 
 
@@ -82,7 +84,9 @@ def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU: built once, then reused from the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
-        "\0".join([*(source.read_text() for source in SOURCES), " ".join(_flags()), version, _cpu_identity()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in [*SOURCES, *HEADERS]), " ".join(_flags()), version, _cpu_identity()]
+        ).encode()
     ).hexdigest()[:16]
     directory = _cache_dir()
     try:
