@@ -164,8 +164,12 @@ async def closed_loop(target: Target, sentences: list[list[str]], clients: int, 
     }
 
 
-async def burst(target: Target, sentences: list[list[str]], rate: float, seconds: float, pid: int) -> dict:
-    """Requests fired at ``rate`` per second for ``seconds``, whatever the answers; the server's RSS sampled."""
+async def burst(
+    target: Target, sentences: list[list[str]], rate: float, seconds: float, pid: int, connections: int
+) -> dict:
+    """Requests fired at ``rate`` per second for ``seconds``, whatever the answers, over at most ``connections``
+    connections at once (a request waits for one inside its 60 s, as behind a load balancer's per-replica cap);
+    the server's RSS sampled."""
     statuses: dict[str, int] = {}
     peak = [tree_rss(pid)]
     done = threading.Event()
@@ -178,7 +182,7 @@ async def burst(target: Target, sentences: list[list[str]], rate: float, seconds
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
+        connector=aiohttp.TCPConnector(limit=connections), timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S)
     ) as client:
 
         async def one(sentence: list[str]) -> None:
@@ -308,6 +312,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--concurrency", default="1,8,64,256")
     parser.add_argument("--burst-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--burst-connections",
+        type=int,
+        default=2048,
+        help="the burst's connections open at once at most (0: no cap; each holds a file descriptor on both sides)",
+    )
     parser.add_argument("--sentences", type=int, default=3000, help="the pool of real sentences requests cycle over")
     parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic")
     args = parser.parse_args()
@@ -374,7 +384,9 @@ def main() -> None:
             if "burst" not in skip:
                 capacity = results[("elmo serve", top)]["requests_per_s"]
                 idle = tree_rss(server.pid)
-                outcome = asyncio.run(burst(target, real, 4 * capacity, args.burst_seconds, server.pid))
+                outcome = asyncio.run(
+                    burst(target, real, 4 * capacity, args.burst_seconds, server.pid, args.burst_connections)
+                )
                 lost = {k: v for k, v in outcome["statuses"].items() if k not in ("200", "429")}
                 print(
                     f"burst: {outcome['sent']:,} requests at {4 * capacity:,.0f}/s (4x capacity) for "
