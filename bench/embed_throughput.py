@@ -70,17 +70,19 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
     """The CPU model, threads, torch's CPU kernel level, whether bf16 runs natively, whether oneDNN's packed
-    products are on and whether the C gate kernel was built: which kernels ran."""
+    products are on, whether the C gate kernel was built and whether fp32 runs a layer's steps in C: which kernels
+    ran."""
     from elmo_core import cpu
     from elmo_core.bilm.kernels.fused_gates import describe as describe_fused_gates
     from elmo_core.bilm.kernels.packed import packing_available
+    from elmo_core.bilm.kernels.step_loop import describe as describe_step_loop
     from elmo_core.precision import cpu_has_native_bf16
 
     text = (
         f"{cpu.describe()}, {torch.get_num_threads()} threads, "
         f"native bf16 {'yes' if cpu_has_native_bf16() else 'no'}, "
         f"inference's packed LSTM step weights {'on (medium and larger shapes)' if packing_available() else 'off'}, "
-        f"LSTM gates fused in C {describe_fused_gates()}"
+        f"LSTM gates fused in C {describe_fused_gates()}, fp32 LSTM steps in one C loop {describe_step_loop()}"
     )
     if torch.device(device).type == "cuda":
         text += f"; GPU {torch.cuda.get_device_name()}"
