@@ -84,6 +84,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_steps": 300,
     },
 }
+RECIPES["exact-adagrad-seed1"] = {**RECIPES["exact-adagrad"], "seed": 1}
+RECIPES["exact-adamw-seed1"] = {**RECIPES["exact-adamw"], "seed": 1}
 
 
 # ----- data --------------------------------------------------------------------------------------------
