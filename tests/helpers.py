@@ -11,12 +11,27 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from elmo_core import cpu
+from elmo_core import BiLM, cpu
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import choice
+from elmo_core.config import tiny
 from elmo_core.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def random_tiny_model(seed: int = 0, **lstm) -> BiLM:
+    """The tiny preset, bilm-tf-initialised from ``seed``, with ``lstm`` fields changed (clips, sizes), in eval mode:
+    weights no fixture fixes, for kernels checked against each other."""
+    torch.manual_seed(seed)
+    config = tiny()
+    config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
+    bilm = BiLM(config)
+    init_bilm_tf(bilm)
+    return bilm.eval()
+
 
 needs_native_bf16 = pytest.mark.skipif(
     not cpu_has_native_bf16(), reason=f"needs a CPU with bfloat16 instructions, not {cpu.facts().line()}"

@@ -7,23 +7,12 @@ import shutil
 import pytest
 import torch
 
-from elmo_core import BiLM
-from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import fused_gates
-from elmo_core.config import tiny
 from tests.helpers import assert_same_vectors, cpu_precisions
+from tests.helpers import random_tiny_model as _random_model
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
 SENTENCES = [["I", "ate", "an", "apple", "."], ["Hi"], ["The", "quick", "brown", "fox", "jumps", "over", "it", "."]]
-
-
-def _random_model(**lstm) -> BiLM:
-    torch.manual_seed(0)
-    config = tiny()
-    config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
-    bilm = BiLM(config)
-    init_bilm_tf(bilm)
-    return bilm.eval()
 
 
 def _reference(z: torch.Tensor, c: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,9 @@ import torch
 
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.bilm.inference import StateCarry
-from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.packing import Packing
-from elmo_core.config import tiny
 from tests.helpers import assert_same_vectors, cpu_precisions, needs_native_bf16
+from tests.helpers import random_tiny_model as _random_model
 
 SENTENCES = [
     ["I", "ate", "an", "apple", "."],
@@ -24,16 +23,6 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def model(allennlp_dir) -> BiLM:
     return BiLM.from_pretrained(str(allennlp_dir / "options.json"), str(allennlp_dir / "lm_weights.hdf5"))
-
-
-def _random_model(seed: int = 0, **lstm) -> BiLM:
-    torch.manual_seed(seed)
-    config = tiny()
-    if lstm:
-        config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
-    bilm = BiLM(config)
-    init_bilm_tf(bilm)
-    return bilm.eval()
 
 
 def test_forward_api_shapes(model):

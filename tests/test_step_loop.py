@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from elmo_core import BiLM
-from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import fused_gates, step_loop
-from elmo_core.config import tiny
+from tests.helpers import random_tiny_model
 
 # 15, 6, 24, 3 and 1 tokens (with <S> and </S>: the rows drop out four times, the last steps run one row)
 SENTENCES = [
@@ -24,15 +23,11 @@ pytestmark = pytest.mark.skipif(not step_loop.on(), reason=f"no C step loop here
 
 
 def _random_model(**lstm) -> BiLM:
-    torch.manual_seed(0)
-    config = tiny()
-    config = config.model_copy(update={"lstm": config.lstm.model_copy(update=lstm)})
-    bilm = BiLM(config)
-    init_bilm_tf(bilm)
+    bilm = random_tiny_model(**lstm)
     with torch.no_grad():  # biases that differ by direction and gate (bilm-tf's initialization makes them alike)
-        for lstm in bilm.lstm.all_layers():
-            lstm.bias_ih_l0.normal_(0.0, 0.5)
-    return bilm.eval()
+        for lstm_layer in bilm.lstm.all_layers():
+            lstm_layer.bias_ih_l0.normal_(0.0, 0.5)
+    return bilm
 
 
 @pytest.fixture
