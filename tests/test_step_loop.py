@@ -8,6 +8,7 @@ import torch
 
 from elmo_core import BiLM
 from elmo_core.bilm.kernels import fused_gates, step_loop
+from elmo_core.bilm.lstm_math import reference_gates
 from tests.helpers import random_tiny_model
 
 # 15, 6, 24, 3 and 1 tokens (with <S> and </S>: the rows drop out four times, the last steps run one row)
@@ -104,15 +105,12 @@ def test_inputs_that_are_not_one_tensor_s_splits_are_copied_first():
 
 
 def _python_steps(gates, sizes, h, c, w_hh, w_hr, cell_clip, proj_clip):
-    """The steps written out in PyTorch: gates i, f, g, o; rows that end keep their last state."""
+    """The steps written out in PyTorch around the reference gates; rows that end keep their last state."""
     h, c, outputs, first = h.clone(), c.clone(), [], 0
-    hidden = c.shape[2]
     for n in sizes:
         z = torch.bmm(h[:, :n], w_hh) + gates[:, first : first + n]
-        s = torch.sigmoid(z)
-        c_new = s[..., hidden : 2 * hidden] * c[:, :n] + s[..., :hidden] * torch.tanh(z[..., 2 * hidden : 3 * hidden])
-        c[:, :n] = c_new.clamp(-cell_clip, cell_clip)
-        h[:, :n] = torch.bmm(s[..., 3 * hidden :] * torch.tanh(c[:, :n]), w_hr).clamp(-proj_clip, proj_clip)
+        m, c[:, :n] = reference_gates(z, c[:, :n], cell_clip)
+        h[:, :n] = torch.bmm(m, w_hr).clamp(-proj_clip, proj_clip)
         outputs.append(h[:, :n].clone())
         first += n
     return torch.cat(outputs, dim=1), h, c

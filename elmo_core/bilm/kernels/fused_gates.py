@@ -5,7 +5,7 @@ over the (2, rows, 4H) pre-activations: the bias or input-gate add, a float32 co
 tanh, slices, products, clamp and casts, a share of the call that grows with the shape. The C loop reads each element
 once and writes the cell state and the cell output (already in the dtype the projection takes).
 
-The sources (``lstm_gates.c``; ``lstm_steps.c``, the last steps of a layer; ``char_cnn.c``, training's char CNN) are
+The sources (``lstm_gates.c``; ``lstm_steps.c``, a layer's steps in one call; ``char_cnn.c``, training's char CNN) are
 compiled into one library with the machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this
 CPU (``-march=native``; ``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``$ELMO_CACHE_DIR`` (default
 ``~/.cache/elmo-pipeline``), under a name that hashes the sources, the flags, the compiler and the CPU; later
@@ -35,8 +35,8 @@ from elmo_core.bilm.lstm_math import reference_gates
 
 log = logging.getLogger(__name__)
 
-# one library: the LSTM gates (inference and training), the last steps of a layer (``step_loop.py``) and the char CNN's
-# training backward (``char_cnn.py``); the header is hashed with them
+# one library: the LSTM gates (inference and training), a layer's steps in one call (``step_loop.py``) and the char
+# CNN's training backward (``char_cnn.py``); the header is hashed with them
 SOURCES = [Path(__file__).with_name(name) for name in ("lstm_gates.c", "lstm_steps.c", "char_cnn.c")]
 HEADERS = [Path(__file__).with_name("lstm_math.h")]
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp"]

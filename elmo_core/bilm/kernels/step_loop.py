@@ -113,14 +113,15 @@ def lstm_steps(
     width = 4 * hidden
     if w_hh.shape != (2, -(-width // PANEL), proj, PANEL) or (w_hr is not None and w_hr.shape[2] != hidden):
         raise ValueError(f"weights {tuple(w_hh.shape)} are not the panels of a ({proj}, {width}) W_hh^T")
+    if not (w_hh.is_contiguous() and (w_hr is None or w_hr.is_contiguous())):
+        raise ValueError("the weights must be dense, as ``panels`` makes them")
     x, x_dir, x_rows, rows_dir, bias = _inputs(sources, width)
-    h, c = h.contiguous().clone(), c.contiguous().clone()
+    h, c = (t.clone(memory_format=torch.contiguous_format) for t in (h, c))  # the loop's own, dense
     out = torch.empty(2, packed, proj)
     rows = batch_sizes[0]
     y, m = torch.empty(2, rows, w_hh.shape[1] * PANEL), torch.empty(2, rows, hidden)
     p = torch.empty(2, rows, w_hr.shape[1] * PANEL if w_hr is not None else 0)
     sizes = torch.tensor(batch_sizes, dtype=torch.int64)
-    weights = [w.contiguous() if w is not None else None for w in (w_hh, w_hr)]
     clip = [float("inf") if v is None else float(v) for v in (cell_clip, proj_clip)]
     status = function(
         steps,
@@ -132,8 +133,8 @@ def lstm_steps(
         x_rows.data_ptr() if x_rows is not None else None,
         rows_dir,
         bias.data_ptr(),
-        weights[0].data_ptr(),
-        weights[1].data_ptr() if weights[1] is not None else None,
+        w_hh.data_ptr(),
+        w_hr.data_ptr() if w_hr is not None else None,
         h.data_ptr(),
         c.data_ptr(),
         out.data_ptr(),
