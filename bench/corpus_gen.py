@@ -1,7 +1,10 @@
-"""Synthetic Zipfian corpora for the data-layer benchmarks (made-up words; nothing downloaded)."""
+"""Corpora for the benchmarks: synthetic Zipfian ones (made-up words; nothing downloaded) and real text that a
+package installs (the Linux kernel's documentation), ingested as the main job ingests."""
 
 from __future__ import annotations
 
+import gzip
+import re
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +163,32 @@ def main_job_data(root: Path) -> Path:
 
     text, _ = write_default_corpus(root / "pydoc.txt")
     return ingest_like_the_main_job(text, root)
+
+
+KERNEL_DOCS = Path("/usr/share/doc/linux-doc-6.1/Documentation")  # `apt-get install linux-doc-6.1` (Debian 12)
+_RST_RULE = re.compile(r"^\s*([=\-~^\"'`#*+:.]){3,}\s*$")  # a title's underline, a table's border
+
+
+def write_kernel_docs(directory: Path, path: Path) -> int:
+    """The Linux kernel's English documentation (reStructuredText and plain text, gzipped as Debian ships it; the
+    translations left out), one paragraph per line: ~7M tokens of technical prose, code and tables with a long
+    tail of lengths. Markup lines (underlines, ``..`` directives) are dropped. Returns the paragraphs written."""
+    if not directory.is_dir():
+        raise SystemExit(f"{directory}: missing; install it with `apt-get install linux-doc-6.1` (Debian 12)")
+    paragraphs = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for source in sorted(directory.rglob("*.gz")):
+            if "translations" in source.relative_to(directory).parts:
+                continue
+            text = gzip.open(source, "rt", encoding="utf-8", errors="replace").read()
+            if "\x00" in text:  # a binary file among the documents (a firmware blob, an image)
+                continue
+            lines: list[str] = []
+            for line in text.splitlines() + [""]:
+                if line.strip() and not _RST_RULE.match(line) and not line.lstrip().startswith(".."):
+                    lines.append(line.strip())
+                elif lines:
+                    out.write(" ".join(lines) + "\n")
+                    paragraphs, lines = paragraphs + 1, []
+    return paragraphs

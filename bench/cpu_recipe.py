@@ -36,6 +36,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 EXPERIMENT = "elmo-cpu-recipe"
+# heldout batches (64 x 20 tokens) per evaluation: the kernel docs' whole heldout split (389k tokens, 92k words)
+# would take minutes of full softmax at each point; its first 64k tokens, the same for every recipe, do not
+EVAL_MAX_BATCHES = {"kernel": 50}
 POINTS = (1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0, 45.0, 60.0)  # CPU-minutes where heldout is evaluated
 
 # The main job's recipe before this bench, spelled out (CPU_TRAIN_OPTIONS may have moved on since).
@@ -84,6 +87,17 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_steps": 300,
     },
 }
+# the baseline to beat (#38): a plain 1x512 word LSTM per direction, full softmax, Adam (bench/word_lstm.py)
+RECIPES["word-lstm"] = {
+    "baseline": "word-lstm",
+    "batch_size": 32,
+    "unroll_steps": 20,
+    "dropout": 0.1,
+    "learning_rate": 2e-3,
+    "clip_norm": 1.0,
+    "precision": "bf16",
+}
+RECIPES["word-lstm-seed1"] = {**RECIPES["word-lstm"], "seed": 1}
 RECIPES["exact-adagrad-seed1"] = {**RECIPES["exact-adagrad"], "seed": 1}
 RECIPES["exact-adamw-seed1"] = {**RECIPES["exact-adamw"], "seed": 1}
 
@@ -93,7 +107,7 @@ RECIPES["exact-adamw-seed1"] = {**RECIPES["exact-adamw"], "seed": 1}
 
 def prepare(out: Path, corpus: str) -> Path:
     """Ingest and count ``corpus`` as the main job does; returns its vocab folder (made once)."""
-    from corpus_gen import ingest_like_the_main_job
+    from corpus_gen import KERNEL_DOCS, ingest_like_the_main_job, write_kernel_docs
 
     from elmo_core.text.corpus import write_default_corpus
     from elmo_core.text.wordnet import write_definitions
@@ -106,9 +120,11 @@ def prepare(out: Path, corpus: str) -> Path:
         write_default_corpus(text)
     elif corpus == "wordnet":
         write_definitions("/usr/share/wordnet", text)
+    elif corpus == "kernel":
+        write_kernel_docs(KERNEL_DOCS, text)
     else:
-        raise SystemExit(f"unknown corpus {corpus!r}: pydoc or wordnet")
-    return ingest_like_the_main_job(text, root, split_sentences=corpus == "pydoc")
+        raise SystemExit(f"unknown corpus {corpus!r}: pydoc, wordnet or kernel")
+    return ingest_like_the_main_job(text, root, split_sentences=corpus != "wordnet")
 
 
 # ----- one run (a child process) -----------------------------------------------------------------------
@@ -127,61 +143,131 @@ def _create_experiment(out: Path) -> None:
         mlflow.create_experiment(EXPERIMENT, artifact_location=(out / "mlartifacts").resolve().as_uri())
 
 
+class BiLMRun:
+    """A recipe's biLM training through ``elmo_core.train.loop``'s own ``setup``/``train_step``, as the trainer runs."""
+
+    def __init__(self, out: Path, corpus: str, recipe: str, folder: Path) -> None:
+        from elmo_core.options import TrainConfig
+        from elmo_core.train.loop import setup
+
+        self.config = TrainConfig(
+            data=str(out / "data" / corpus / "vocab"),
+            out=str(folder),
+            **RECIPES[recipe],
+            max_steps=10**9,  # the budget ends the run; the schedules do not depend on the total
+            device="cpu",
+            resume=True,
+            tracking="mlflow",
+            tracking_uri=_tracking_uri(out),
+            mlflow_experiment=EXPERIMENT,
+            register_as=None,
+            log_every=200,
+            keep_checkpoints=1,
+            eval_max_batches=EVAL_MAX_BATCHES.get(corpus),
+        )
+        self.run = setup(self.config)
+        self.tokens_per_step, self.window_tokens, self.window_start = self.run.tokens_per_step, 0, time.perf_counter()
+
+    @property
+    def step_count(self) -> int:
+        return self.run.step
+
+    def step(self) -> None:
+        from elmo_core.train.loop import log_metrics, train_step
+
+        record = train_step(self.run)
+        self.window_tokens += self.tokens_per_step
+        if record is not None and self.run.step % self.config.log_every == 0:
+            log_metrics(self.run, record, self.window_tokens / (time.perf_counter() - self.window_start))
+            self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    def evaluate(self) -> float:
+        from elmo_core.train.loop import evaluate_heldout
+
+        return evaluate_heldout(self.run)["perplexity"]
+
+    def save(self, cpu_minutes: float, perplexity: float) -> None:
+        from elmo_core.train.run import save
+
+        self.run.tracker.log_metrics({"cpu_minutes": cpu_minutes, "heldout_perplexity": perplexity}, self.run.step)
+        save(self.run)
+        self.window_start = time.perf_counter()
+
+    def close(self) -> None:
+        self.run.tracker.close("FINISHED")
+
+
+class BaselineRun:
+    """The word-LSTM baseline (``word_lstm.py``), logged to its own MLflow run."""
+
+    def __init__(self, out: Path, corpus: str, recipe: str, folder: Path) -> None:
+        import mlflow
+        from word_lstm import WordLSTMRun
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.eval_batches = EVAL_MAX_BATCHES.get(corpus)
+        self.run = WordLSTMRun(out / "data" / corpus / "vocab", folder, RECIPES[recipe])
+        mlflow.set_tracking_uri(_tracking_uri(out))
+        mlflow.set_experiment(EXPERIMENT)
+        mlflow.start_run(run_name=f"{corpus}-{recipe}")
+        mlflow.log_params(RECIPES[recipe])
+
+    @property
+    def step_count(self) -> int:
+        return self.run.step_count
+
+    def step(self) -> None:
+        self.run.step()
+
+    def evaluate(self) -> float:
+        return self.run.evaluate(self.eval_batches)
+
+    def save(self, cpu_minutes: float, perplexity: float) -> None:
+        import mlflow
+
+        mlflow.log_metrics({"cpu_minutes": cpu_minutes, "heldout_perplexity": perplexity}, step=self.step_count)
+        self.run.save()
+
+    def close(self) -> None:
+        import mlflow
+
+        mlflow.end_run()
+
+
 def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
     """Train ``recipe`` on ``corpus`` up to ``budget`` CPU-minutes, one thread, resuming an earlier shorter run."""
     import torch
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    from elmo_core.options import TrainConfig
-    from elmo_core.train.loop import evaluate_heldout, log_metrics, setup
-    from elmo_core.train.loop import train_step as step
-    from elmo_core.train.run import save
-
     folder = out / "runs" / f"{corpus}-{recipe}"
     progress_file = folder / "points.json"
-    config = TrainConfig(
-        data=str(out / "data" / corpus / "vocab"),
-        out=str(folder),
-        **RECIPES[recipe],
-        max_steps=10**9,  # the budget ends the run; the schedules do not depend on the total
-        device="cpu",
-        resume=True,
-        tracking="mlflow",
-        tracking_uri=_tracking_uri(out),
-        mlflow_experiment=EXPERIMENT,
-        register_as=None,
-        log_every=200,
-        keep_checkpoints=1,
+    trainer = (
+        BaselineRun(out, corpus, recipe, folder)
+        if "baseline" in RECIPES[recipe]
+        else BiLMRun(out, corpus, recipe, folder)
     )
-    run = setup(config)
     done = json.loads(progress_file.read_text()) if progress_file.exists() else {"cpu_s": 0.0, "points": []}
-    if run.step != (done["points"][-1]["step"] if done["points"] else 0):
-        raise SystemExit(f"{folder}: checkpoint at step {run.step} does not match points.json; remove the folder")
+    if trainer.step_count != (done["points"][-1]["step"] if done["points"] else 0):
+        raise SystemExit(f"{folder}: checkpoint at step {trainer.step_count} does not match points.json; remove it")
     import mlflow
 
-    mlflow.set_tags({"recipe": recipe, "corpus": corpus, "threads": "1"})  # the run the tracker started
+    mlflow.set_tags({"recipe": recipe, "corpus": corpus, "threads": "1"})
     marks = [m for m in POINTS if m <= budget and m * 60 > done["cpu_s"] + 1e-6]
     cpu_s, started = done["cpu_s"], time.process_time()
-    window_tokens, window_start = 0, time.perf_counter()
     for mark in marks:
         while cpu_s + (time.process_time() - started) < mark * 60:
-            record = step(run)
-            window_tokens += run.tokens_per_step
-            if record is not None and run.step % config.log_every == 0:
-                log_metrics(run, record, window_tokens / (time.perf_counter() - window_start))
-                window_tokens, window_start = 0, time.perf_counter()
+            trainer.step()
         cpu_s += time.process_time() - started
-        result = evaluate_heldout(run)  # off the clock
-        run.tracker.log_metrics({"cpu_minutes": cpu_s / 60, "heldout_perplexity": result["perplexity"]}, run.step)
+        perplexity = trainer.evaluate()  # off the clock
         done["cpu_s"] = cpu_s
-        done["points"].append({"cpu_minutes": mark, "step": run.step, "perplexity": result["perplexity"]})
-        save(run)
+        done["points"].append({"cpu_minutes": mark, "step": trainer.step_count, "perplexity": perplexity})
+        trainer.save(cpu_s / 60, perplexity)
         progress_file.write_text(json.dumps(done, indent=1) + "\n")
-        print(f"{corpus:<8} {recipe:<16} {mark:>5.1f} CPU-min  step {run.step:>6}  heldout {result['perplexity']:8.2f}")
+        print(f"{corpus:<8} {recipe:<16} {mark:>5.1f} CPU-min  step {trainer.step_count:>6}  heldout {perplexity:8.2f}")
         sys.stdout.flush()
-        started, window_start = time.process_time(), time.perf_counter()
-    run.tracker.close("FINISHED")
+        started = time.process_time()
+    trainer.close()
 
 
 # ----- the table ---------------------------------------------------------------------------------------
@@ -218,6 +304,46 @@ def _points(out: Path, corpus: str, recipe: str) -> dict[float, dict[str, float]
     if not path.exists():
         return {}
     return {p["cpu_minutes"]: p for p in json.loads(path.read_text())["points"]}
+
+
+TABLE_BUDGETS = (2.5, 5.0, 15.0, 30.0)
+
+
+def write_table(out: Path, path: Path) -> None:
+    """The measured table a ``budget`` picks its recipe from (``elmo_core/train/recipe_table.json``): for every
+    corpus measured under ``out``, each biLM recipe's lowest heldout perplexity within 2.5, 5, 15 and 30 CPU-minutes
+    (what ``export: best`` keeps), one value per seed, where every seed reached that budget. A corpus not measured
+    under ``out`` keeps its rows from the table already at ``path``."""
+    from elmo_core import cpu
+    from elmo_core.train.evaluate import num_tokens
+
+    table = json.loads(path.read_text()) if path.exists() else {"corpora": [], "results": []}
+    runs = sorted((out / "runs").glob("*/points.json"))
+    measured = sorted({p.parent.name.split("-")[0] for p in runs})
+    table["corpora"] = [c for c in table["corpora"] if c["name"] not in measured]
+    table["results"] = [r for r in table["results"] if r["corpus"] not in measured]
+    for corpus in measured:
+        data = out / "data" / corpus / "vocab"
+        train = sum(num_tokens(f) for f in (data / "token_ids" / "train").glob("part-*.parquet"))
+        words = len((data / "vocab.txt").read_text(encoding="utf-8").splitlines())
+        table["corpora"].append({"name": corpus, "train_tokens": train, "vocab_size": words, "cpu": cpu.describe()})
+        seeds: dict[str, list[dict[float, dict[str, float]]]] = {}
+        for recipe in RECIPES:
+            points = _points(out, corpus, recipe)
+            if points and "baseline" not in RECIPES[recipe]:
+                seeds.setdefault(recipe.split("-seed")[0], []).append(points)
+        for recipe, runs_of_recipe in seeds.items():
+            fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
+            fields.setdefault("sample_softmax", True)
+            for budget in TABLE_BUDGETS:
+                if all(budget in points for points in runs_of_recipe):
+                    best = [min(p["perplexity"] for m, p in points.items() if m <= budget) for points in runs_of_recipe]
+                    table["results"].append(
+                        {"corpus": corpus, "recipe": recipe, "fields": fields, "budget_minutes": budget,
+                         "perplexity": [round(b, 2) for b in best], "precision": RECIPES[recipe]["precision"]}
+                    )  # fmt: skip
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"table: {path} ({len(table['results'])} rows, corpora {', '.join(c['name'] for c in table['corpora'])})")
 
 
 def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
@@ -259,6 +385,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "data" / "bench" / "cpu_recipe"))
     parser.add_argument("--plot", action="store_true")
     parser.add_argument("--table-only", action="store_true", help="print what earlier runs measured")
+    parser.add_argument(
+        "--write-table", metavar="PATH", help="write the measured table a budget picks from (recipe_table.json)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("CORPUS", "RECIPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(args.out)
@@ -289,6 +418,8 @@ def main() -> None:
         if any(codes):
             print(f"some runs failed (exit codes {codes})", file=sys.stderr)
     table(out, corpora, recipes)
+    if args.write_table:
+        write_table(out, Path(args.write_table))
     if args.plot:
         print(f"curves: {plot(out, corpora, recipes)}")
 
