@@ -230,10 +230,11 @@ class TrainOptions(Options):
         None, gt=0, description="fixes the steps per epoch; default: counted from the data"
     )
     n_negative_samples_batch: int = Field(8192, gt=0, description="sampled-softmax negatives per step (log-uniform)")
-    sample_softmax: bool = Field(
+    sample_softmax: bool | Literal["auto"] = Field(
         True,
-        description="sampled softmax (bilm-tf's default, for large vocabularies); off: the exact softmax over every "
-        "word (exact gradients; V x P per token and direction)",
+        description="true: the sampled softmax (bilm-tf's default, for large vocabularies); false: the exact softmax "
+        "over every word (exact gradients; V x P per token and direction); auto: exact where a step with it costs "
+        "at most 1.05x a sampled one on this device, measured at the start (vocabularies up to 50k words)",
     )
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on each LSTM layer's input and the top output")
     optimizer: Literal["adagrad", "adamw"] = Field("adagrad", description="adagrad (bilm-tf) or adamw")

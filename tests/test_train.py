@@ -497,6 +497,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
                 "out": str(tmp_path / "run"),
                 "max_steps": 6,
                 "device": "cpu",
+                "sample_softmax": "auto",  # each rank measures; they take the slowest rank's ratio together
             }
         )
     )
@@ -529,6 +530,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
     assert len(payload["ranks"]) == 2  # every rank's data position, for exact resume
     rows = [json.loads(r["batcher"])["forward"]["rows"] for r in payload["ranks"]]
     assert rows[0] != rows[1]  # each rank carries its own sentences (rank r takes every 2nd)
+    assert isinstance(json.loads((tmp_path / "run" / "config.json").read_text())["sample_softmax"], bool)
 
 
 def test_perplexity_and_export_commands(fixture_data, tmp_path, bilm_tf_dir):

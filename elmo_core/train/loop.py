@@ -63,6 +63,7 @@ from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
 from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows, train_token_counts
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
+from elmo_core.train.recipe import choose_for_budget, describe_softmax, settle_softmax, sparse_softmax
 from elmo_core.train.run import Run, TrainResult, restore, save
 from elmo_core.train.tracking import (
     MLflowTracker,
@@ -171,33 +172,11 @@ def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
     return device, ddp
 
 
-def _sparse_softmax(config: TrainConfig, n_vocab: int, ddp: Rank) -> bool:
-    """Sparse softmax gradients: asked for, or by default for a large vocabulary with Adagrad on one process (the
-    sampled softmax's: the exact softmax's gradient reaches every row)."""
-    if not config.sample_softmax:
-        if config.sparse_softmax:
-            raise ConfigError("sparse_softmax needs the sampled softmax (sample_softmax true)")
-        return False
-    sparse = (
-        config.sparse_softmax
-        if config.sparse_softmax is not None
-        else (n_vocab > 50_000 and config.optimizer == "adagrad" and ddp.world == 1)
-    )
-    if sparse and (config.optimizer != "adagrad" or ddp.world > 1):
-        raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
-    return sparse
-
-
-def describe_softmax(config: TrainConfig, n_vocab: int, sparse: bool) -> str:
-    """The log line (and MLflow param) that says which softmax trains the model."""
-    if not config.sample_softmax:
-        return f"softmax: exact over all {n_vocab:,} words (sample_softmax false)"
-    negatives = min(config.n_negative_samples_batch, n_vocab)
-    return (
-        f"softmax: sampled, {negatives:,} log-uniform negatives of {n_vocab:,} words per step"
-        + (", sparse gradients" if sparse else "")
-        + " (bilm-tf's; sample_softmax false trains with the exact one)"
-    )
+def _distributed(objective: LMObjective, device: torch.device, ddp: Rank) -> nn.Module:
+    """The objective wrapped in DDP across processes; itself on one."""
+    if ddp.world == 1:
+        return objective
+    return nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
 
 
 def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
@@ -205,26 +184,24 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     torch.manual_seed(config.seed)
     device, ddp = _device_and_rank(config)
     out, data = Path(config.out), Path(config.data)
-    vocab_path = data / VOCAB_NAME_IN_DATA
-    vocab = read_vocab_file(vocab_path)
-    check_training_vocab(vocab, str(vocab_path))
+    vocab = read_vocab_file(data / VOCAB_NAME_IN_DATA)
+    check_training_vocab(vocab, str(data / VOCAB_NAME_IN_DATA))
     counts, n_data_tokens = train_token_counts(data, len(vocab))
+    config, recipe_why = choose_for_budget(config, n_data_tokens, len(vocab))  # a budget's measured recipe
     steps_per_epoch = max(
         1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world)
     )
     bilm = _build_model(config, vocab).to(device)
-    if config.compile:
-        bilm.token_encoder = torch.compile(bilm.token_encoder)  # type: ignore[assignment]
-    sparse = _sparse_softmax(config, len(vocab), ddp)
-    objective = LMObjective(bilm, config.dropout, sparse).train()
-    model: nn.Module = objective
-    if ddp.world > 1:
-        model = nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
-    params = [p for p in bilm.parameters() if p.requires_grad]
-    precision = resolve_precision(config.precision, device)  # decided once, for the run
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
+    precision = resolve_precision(config.precision, device)  # decided once, for the run
+    objective = LMObjective(bilm, config.dropout, sparse=False).train()
+    config, softmax_why = settle_softmax(config, objective, len(vocab), precision, out, ddp)  # auto: measured
+    objective.sparse = sparse = sparse_softmax(config, len(vocab), ddp)
+    model = _distributed(objective, device, ddp)
+    params = [p for p in bilm.parameters() if p.requires_grad]
+    reasons = {"recipe": recipe_why, "softmax": f"{describe_softmax(config, len(vocab), sparse)} ({softmax_why})"}
     if ddp.main:
-        for line in (f"precision {precision} ({precision.why})", kernels, describe_softmax(config, len(vocab), sparse)):
+        for line in (recipe_why, f"precision {precision} ({precision.why})", kernels, reasons["softmax"]):
             log.info("%s", line)
     run = Run(
         config=config,
@@ -257,6 +234,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
         budget=Budget(config.budget, config.budget_clock),
+        reasons=reasons,
     )
     _resume_and_track(run, tracker, n_data_tokens, sparse)
     return run
@@ -312,7 +290,8 @@ def _start_tracking(
                 "steps_per_epoch": run.steps_per_epoch,
                 "world_size": ddp.world,
                 "sparse_softmax": sparse,
-                "softmax": describe_softmax(config, len(run.vocab), sparse),
+                "softmax": run.reasons["softmax"],
+                "recipe": run.reasons["recipe"],
                 "device": str(run.device),
                 "precision": run.precision,
                 "precision_reason": run.precision_reason,

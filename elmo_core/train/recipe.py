@@ -1,0 +1,224 @@
+"""What a training runs where its config leaves the choice open, decided once in ``setup`` and said on the log line
+that says what runs: the softmax (``sample_softmax: auto``) and, under a ``budget``, the recipe that
+``bench/cpu_recipe.py`` measured best for a corpus like this one in that much CPU time (``recipe_table.json``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from elmo_core.bilm.softmax import LogUniformSampler
+from elmo_core.data.batches import LMBatcher
+from elmo_core.data.prefetch import to_tensors
+from elmo_core.errors import ConfigError
+from elmo_core.options import TrainConfig, budget_seconds
+from elmo_core.precision import Precision, autocast
+from elmo_core.ranks import Rank
+from elmo_core.train.ddp import gather
+from elmo_core.train.objective import LMObjective
+
+TABLE = Path(__file__).with_name("recipe_table.json")
+
+# ``sample_softmax: auto`` takes the exact softmax only where it costs next to nothing: on the help topics (2k words)
+# an exact step cost 1.14x a sampled one and lost 7% heldout perplexity at equal CPU time, on WordNet (29k words)
+# it cost 9.3x and lost far more, while per step it was as good (50.9 at 1,429 steps against about 52 for the
+# sampled softmax). Above EXACT_MAX_VOCAB it is not measured: the logits of one batch alone would take gigabytes.
+EXACT_MAX_COST = 1.05
+EXACT_MAX_VOCAB = 50_000
+# the fields a measured recipe sets (what the user gave, in a config file or a flag, is kept)
+RECIPE_FIELDS = (
+    "preset",
+    "batch_size",
+    "unroll_steps",
+    "n_negative_samples_batch",
+    "sample_softmax",
+    "optimizer",
+    "learning_rate",
+    "lr_schedule",
+    "warmup_steps",
+    "dropout",
+)
+
+
+class Choice(NamedTuple):
+    """The config with a decision made, and the reason logged with it."""
+
+    config: TrainConfig
+    why: str
+
+
+# ----- the softmax ---------------------------------------------------------------------------------------------
+
+
+def choose_softmax(config: TrainConfig, n_vocab: int, exact_cost: Callable[[], float]) -> Choice:
+    """``sample_softmax: auto`` resolved: exact where this vocabulary is small enough to measure and ``exact_cost()``
+    (an exact step's time over a sampled one's, on this device) is at most EXACT_MAX_COST; else sampled."""
+    if config.sample_softmax != "auto":
+        return Choice(config, f"sample_softmax {str(config.sample_softmax).lower()}, as given")
+    if n_vocab > EXACT_MAX_VOCAB:
+        exact, why = False, f"{n_vocab:,} words > {EXACT_MAX_VOCAB:,}: the exact softmax is not tried"
+    else:
+        ratio = exact_cost()
+        exact = ratio <= EXACT_MAX_COST
+        why = (
+            f"an exact step costs {ratio:.2f}x a sampled one here, {'within' if exact else 'over'} the "
+            f"{EXACT_MAX_COST:.2f}x where it pays"
+        )
+    return Choice(config.model_copy(update={"sample_softmax": not exact}), f"sample_softmax auto: {why}")
+
+
+def settle_softmax(
+    config: TrainConfig, objective: LMObjective, n_vocab: int, precision: Precision, out: Path, ranks: Rank
+) -> Choice:
+    """``choose_softmax`` for this run: measured on one batch of its data on its device (every rank
+    takes the slowest rank's ratio), or the choice of the run's first start when it resumes one."""
+    if config.sample_softmax == "auto" and config.resume and (kept := _kept_softmax(out)) is not None:
+        return Choice(config.model_copy(update={"sample_softmax": kept}), "sample_softmax auto: as this run chose")
+
+    def ratio() -> float:
+        step = _one_batch_step(objective, config, n_vocab, precision)
+        params = [p for p in objective.parameters() if p.requires_grad]
+        return max(gather(ranks, exact_step_cost(step, params)))
+
+    return choose_softmax(config, n_vocab, ratio)
+
+
+def _kept_softmax(out: Path) -> bool | None:
+    """The softmax a run folder's first start chose (its config.json), so that a resume keeps it."""
+    try:
+        kept = json.loads((out / "config.json").read_text()).get("sample_softmax")
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, bool) else None
+
+
+def _one_batch_step(
+    objective: LMObjective, config: TrainConfig, n_vocab: int, precision: Precision
+) -> Callable[[bool], torch.Tensor]:
+    """One batch of the run's own data and shape (a batcher of its own: the run's batches stay as they are) ─► the
+    loss of a forward pass with the exact softmax or with the run's sampled one. Real text, not random ids: the
+    sampled softmax's cost grows with the distinct target words a batch holds."""
+    device = objective.bilm.device
+    batcher = LMBatcher(Path(config.data) / "token_ids" / "train", config.batch_size, config.unroll_steps, seed=1)
+    batch = to_tensors(batcher.next_batch() or {}, device)
+    sampler = LogUniformSampler(n_vocab, seed=0)
+
+    def step(exact: bool) -> torch.Tensor:
+        sampled, tries = (None, 0) if exact else sampler.sample(config.n_negative_samples_batch)
+        with autocast(device, precision):
+            chars, targets = batch["tokens_characters"], batch["next_token_id"]
+            reverse = batch["tokens_characters_reverse"], batch["next_token_id_reverse"]
+            return objective(chars, reverse[0], targets, reverse[1], None, sampled, tries, sampler)[0]
+
+    return step
+
+
+def exact_step_cost(step: Callable[[bool], torch.Tensor], params: list[torch.nn.Parameter], pairs: int = 6) -> float:
+    """An exact step's forward and backward time over a sampled one's: ``step(exact)`` returns the loss of one
+    batch. The two are timed in turn, ``pairs`` times after a warm-up pair, and the median of the pairs' ratios is
+    taken (a VM's speed drifts; in turn, both see the same drift). Gradients and the global RNG are left as they
+    were."""
+    rng = torch.get_rng_state()
+    ratios = []
+    for pair in range(pairs + 1):
+        seconds = {}
+        for exact in (False, True):
+            start = time.perf_counter()
+            step(exact).backward()
+            seconds[exact] = time.perf_counter() - start
+            for p in params:
+                p.grad = None
+        if pair:
+            ratios.append(seconds[True] / seconds[False])
+    torch.set_rng_state(rng)
+    return statistics.median(ratios)
+
+
+def sparse_softmax(config: TrainConfig, n_vocab: int, ranks: Rank) -> bool:
+    """Sparse softmax gradients: asked for, or by default for a large vocabulary with Adagrad on one process (the
+    sampled softmax's: the exact softmax's gradient reaches every row)."""
+    if not config.sample_softmax:
+        if config.sparse_softmax:
+            raise ConfigError("sparse_softmax needs the sampled softmax (sample_softmax true)")
+        return False
+    sparse = (
+        config.sparse_softmax
+        if config.sparse_softmax is not None
+        else (n_vocab > 50_000 and config.optimizer == "adagrad" and ranks.world == 1)
+    )
+    if sparse and (config.optimizer != "adagrad" or ranks.world > 1):
+        raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
+    return sparse
+
+
+def describe_softmax(config: TrainConfig, n_vocab: int, sparse: bool) -> str:
+    """The log line (and MLflow param) that says which softmax trains the model."""
+    if not config.sample_softmax:
+        return f"softmax: exact over all {n_vocab:,} words"
+    negatives = min(config.n_negative_samples_batch, n_vocab)
+    return (
+        f"softmax: sampled, {negatives:,} log-uniform negatives of {n_vocab:,} words per step"
+        + (", sparse gradients" if sparse else "")
+        + " (bilm-tf's)"
+    )
+
+
+# ----- the recipe for a budget ---------------------------------------------------------------------------------
+
+
+def load_table(path: Path = TABLE) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: dict[str, Any] | None = None) -> Choice:
+    """Under a ``budget``: the recipe with the lowest mean heldout perplexity (over its seeds) that the table
+    measured on the corpus nearest this one in size, at the largest measured budget not above this one; its fields
+    fill those the user left unset, and ``export`` becomes ``best``. Without a budget: the config as given."""
+    if config.budget is None:
+        return Choice(config, "no budget: the recipe as configured")
+    table = table or load_table()
+    minutes = budget_seconds(config.budget) / 60
+    corpus = min(table["corpora"], key=lambda c: abs(math.log(c["train_tokens"] / max(n_tokens, 1))))
+    rows = [r for r in table["results"] if r["corpus"] == corpus["name"]]
+    budgets = sorted({r["budget_minutes"] for r in rows})
+    at = max((b for b in budgets if b <= minutes), default=budgets[0])
+    ranked = sorted((r for r in rows if r["budget_minutes"] == at), key=lambda r: _mean(r["perplexity"]))
+    best = ranked[0]
+    given = config.model_fields_set
+    update = {k: v for k, v in best["fields"].items() if k in RECIPE_FIELDS and k not in given}
+    if "export" not in given:
+        update["export"] = "best"
+    runner_up = f"; next: {ranked[1]['recipe']} {_describe(ranked[1])}" if len(ranked) > 1 else ""
+    why = (
+        f"budget {config.budget}: recipe {best['recipe']} ({_spell(best['fields'])}), the lowest heldout perplexity "
+        f"the table measured at {at:g} CPU-minutes (one thread) on {corpus['name']} ({corpus['train_tokens']:,} "
+        f"train tokens, {corpus['vocab_size']:,} words; this corpus: {n_tokens:,}, {n_vocab:,}): {_describe(best)}"
+        f"{runner_up}"
+        + (
+            f"; kept as given: {', '.join(sorted(k for k in best['fields'] if k in given))}"
+            if given & set(best["fields"])
+            else ""
+        )
+    )
+    return Choice(config.model_copy(update=update), why)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _describe(row: dict[str, Any]) -> str:
+    seeds = " and ".join(f"{v:,.1f}" for v in row["perplexity"])
+    return f"{seeds} ({len(row['perplexity'])} seed{'s' if len(row['perplexity']) > 1 else ''})"
+
+
+def _spell(fields: dict[str, Any]) -> str:
+    softmax = "sampled" if fields.get("sample_softmax", True) else "exact"
+    return f"{fields.get('preset')}, {softmax} softmax, {fields.get('optimizer')} {fields.get('learning_rate')}"
