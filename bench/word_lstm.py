@@ -100,7 +100,8 @@ class WordLSTMRun:
         total, batches, state = 0.0, 0, None
         for batch in LMBatcher(heldout, rows, 20, shuffle=False, loop=False):
             ids, targets = _tensors(batch)
-            losses, state = self.model(ids, targets, state)
+            with autocast(torch.device("cpu"), self.precision):  # the products in bf16 as in training; loss fp32
+                losses, state = self.model(ids, targets, state)
             total += 0.5 * float(losses[0] + losses[1])
             batches += 1
             if max_batches and batches >= max_batches:
