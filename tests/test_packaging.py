@@ -37,12 +37,14 @@ def _build_wheel(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_the_wheel_ships_every_c_source_the_kernels_compile(tmp_path):
-    """A wheel without one of them falls back to the slow reference paths on first use, with only a warning."""
+def test_the_wheel_ships_every_c_source_the_kernels_compile_and_the_recipe_table(tmp_path):
+    """A wheel without one of the C sources falls back to the slow reference paths on first use, with only a
+    warning; one without the measured recipe table cannot train under a budget."""
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in SOURCES:
         assert f"elmo_core/bilm/kernels/{source.name}" in names
+    assert "elmo_core/train/recipe_table.json" in names
 
 
 @pytest.mark.slow

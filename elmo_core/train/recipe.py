@@ -26,10 +26,14 @@ from elmo_core.train.objective import LMObjective
 
 TABLE = Path(__file__).with_name("recipe_table.json")
 
-# ``sample_softmax: auto`` takes the exact softmax only where it costs next to nothing: on the help topics (2k words)
-# an exact step cost 1.14x a sampled one and lost 7% heldout perplexity at equal CPU time, on WordNet (29k words)
-# it cost 9.3x and lost far more, while per step it was as good (50.9 at 1,429 steps against about 52 for the
-# sampled softmax). Above EXACT_MAX_VOCAB it is not measured: the logits of one batch alone would take gigabytes.
+# ``sample_softmax: auto`` takes the exact softmax where it costs next to nothing. Measured (bench/cpu_recipe.py,
+# one thread, two seeds): on the help topics (2k words) an exact step cost 1.15-1.25x a sampled one and gained
+# about as much per step, so at equal CPU time the two tied (best heldout 51.4 against 51.0 in 2.5 minutes); on
+# WordNet (29k words) it cost 9.3x and lost (602.6 against 233.3 after 5 minutes, three of four exact runs
+# diverging). The start-up measure (forward and backward of one batch, without the optimizer) reads 1.02-1.17 on
+# the help topics, whose whole steps cost 1.15-1.25x: 1.05 on it is about where an exact step stops being paid for
+# by what it gains per step, so near there either choice is as good. Above EXACT_MAX_VOCAB it is not measured: one
+# batch's logits alone take hundreds of megabytes, and the cost grows with the vocabulary.
 EXACT_MAX_COST = 1.05
 EXACT_MAX_VOCAB = 50_000
 # the fields a measured recipe sets (what the user gave, in a config file or a flag, is kept)
