@@ -1,21 +1,26 @@
 """Which training recipe reaches the lowest heldout perplexity within a fixed CPU budget (one thread)?
 
-    .venv/bin/python bench/cpu_recipe.py [--corpora pydoc,wordnet] [--recipes today-fp32,today-bf16,adamw]
+    .venv/bin/python bench/cpu_recipe.py [--corpora pydoc,wordnet,kernel] [--recipes today-bf16,word-lstm,...]
                                          [--budget 30] [--jobs 2] [--out data/bench/cpu_recipe] [--plot]
+                                         [--write-table elmo_core/train/recipe_table.json]
 
 Each (corpus, recipe) trains in its own process with one thread (``torch.set_num_threads(1)``, OMP/MKL at 1) through
 ``elmo_core.train.loop``'s own ``setup``/``step``; the clock is the process's CPU time, with heldout evaluations (full
-softmax over the whole heldout split, at 1, 2.5, 5, 7.5, 10, 15, 20, 25 and 30 CPU-minutes) paused out of it. Each
+softmax over the whole heldout split, at 1, 2.5, 5, 7.5, 10, 15, 20, 25 and 30 CPU-minutes; fewer on the kernel docs,
+``CORPUS_POINTS``) paused out of it. Each
 point is logged to the run's MLflow run (experiment ``elmo-cpu-recipe``, store ``OUT/mlflow.db``) as
 ``heldout_perplexity`` with ``cpu_minutes``, and to ``OUT/runs/CORPUS-RECIPE/points.json``. A checkpoint is written at
 every point: a rerun with a larger ``--budget`` resumes where the last one stopped (exactly: the schedules are
 functions of the step), so a short screening run of a candidate is the start of its long run.
 
-Corpora: ``pydoc``, Python's help topics (the main job's default corpus, 53k tokens), and ``wordnet``, WordNet 3.0's
-definitions without their examples (1.2M tokens; ``sudo apt-get install wordnet-base``), ingested and counted as the
-main job does (unicode tokens, 5% heldout by hash, min count 2). Recipes are ``RECIPES`` below; ``today-fp32`` is
-the main job's recipe before this bench (bilm-tf's, shrunk: Adagrad 0.2, constant rate, batch 32, 512 negatives,
-dropout 0.1) in fp32. ``--plot`` draws perplexity against CPU-minutes per corpus into ``OUT/curves.png``.
+Corpora: ``pydoc``, Python's help topics (the main job's default corpus, 53k tokens), ``wordnet``, WordNet 3.0's
+definitions without their examples (1.2M tokens; ``apt-get install wordnet-base``), and ``kernel``, the Linux
+kernel's documentation (7.6M tokens, 92k words; ``apt-get install linux-doc-6.1``, Debian 12), ingested and counted
+as the main job does (unicode tokens, 5% heldout by hash, min count 2). Recipes are ``RECIPES`` below; ``today-fp32``
+is the main job's recipe before this bench (bilm-tf's, shrunk: Adagrad 0.2, constant rate, batch 32, 512 negatives,
+dropout 0.1) in fp32; ``word-lstm`` is the baseline #38 names (``word_lstm.py``). ``--plot`` draws perplexity
+against CPU-minutes per corpus into ``OUT/curves.png``; ``--write-table PATH`` writes what a training budget picks
+from (``elmo_core/train/recipe_table.json``).
 """
 
 from __future__ import annotations
@@ -355,23 +360,29 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(corpora), figsize=(6 * len(corpora), 4.2), squeeze=False)
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab10").colors
+    bases = sorted({r.split("-seed")[0] for r in recipes}, key=[r.split("-seed")[0] for r in recipes].index)
     for ax, corpus in zip(axes[0], corpora):
         lowest = float("inf")
-        for k, recipe in enumerate(recipes):
+        for recipe in recipes:  # one colour per recipe, a dashed line for its second seed
             points = sorted(_points(out, corpus, recipe).values(), key=lambda p: p["cpu_minutes"])
             if points:
+                base = recipe.split("-seed")[0]
                 values = [p["perplexity"] for p in points]
                 lowest = min(lowest, *values)
-                ax.plot([p["cpu_minutes"] for p in points], values, marker="o", label=recipe, color=colours[k % 20])
-        ax.set_title(f"{corpus}: heldout perplexity, mini model, 1 thread")
+                ax.plot(
+                    [p["cpu_minutes"] for p in points], values, marker="o", markersize=3, label=recipe,
+                    color="black" if "baseline" in RECIPES[recipe] else colours[bases.index(base) % 10],
+                    linestyle="--" if "-seed" in recipe else "-",
+                )  # fmt: skip
+        ax.set_title(f"{corpus}: heldout perplexity, 1 thread")
         ax.set_xlabel("CPU-minutes")
         ax.set_ylabel("heldout perplexity (above 10x the lowest: off the scale)")
         ax.set_yscale("log")
         if lowest < float("inf"):  # a diverging run or an early spike would flatten every other curve
             ax.set_ylim(top=10 * lowest)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / "curves.png"
     fig.savefig(path, dpi=75)
