@@ -319,7 +319,7 @@ TABLE_BUDGETS = (2.5, 5.0, 15.0, 30.0)
 def write_table(out: Path, path: Path) -> None:
     """The measured table a ``budget`` picks its recipe from (``elmo_core/train/recipe_table.json``): for every
     corpus measured under ``out``, each biLM recipe's lowest heldout perplexity within 2.5, 5, 15 and 30 CPU-minutes
-    (what ``export: best`` keeps), one value per seed, where every seed reached that budget. A corpus not measured
+    (what ``export: best`` keeps), one value per seed that ran that far. A corpus not measured
     under ``out`` keeps its rows from the table already at ``path``."""
     from elmo_core import cpu
     from elmo_core.train.evaluate import num_tokens
@@ -343,8 +343,9 @@ def write_table(out: Path, path: Path) -> None:
             fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
             fields.setdefault("sample_softmax", True)
             for budget in TABLE_BUDGETS:
-                if all(budget in points for points in runs_of_recipe):
-                    best = [min(p["perplexity"] for m, p in points.items() if m <= budget) for points in runs_of_recipe]
+                reached = [points for points in runs_of_recipe if budget in points]  # the seeds that ran this far
+                if reached:
+                    best = [min(p["perplexity"] for m, p in points.items() if m <= budget) for points in reached]
                     table["results"].append(
                         {"corpus": corpus, "recipe": recipe, "fields": fields, "budget_minutes": budget,
                          "perplexity": [round(b, 2) for b in best], "precision": RECIPES[recipe]["precision"]}
