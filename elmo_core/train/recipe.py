@@ -17,7 +17,7 @@ import torch
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
 from elmo_core.data.prefetch import to_tensors
-from elmo_core.errors import ConfigError
+from elmo_core.errors import ConfigError, InputError
 from elmo_core.options import TrainConfig, budget_seconds
 from elmo_core.precision import Precision, autocast
 from elmo_core.ranks import Rank
@@ -73,7 +73,7 @@ def choose_softmax(config: TrainConfig, n_vocab: int, exact_cost: Callable[[], f
         exact = ratio <= EXACT_MAX_COST
         why = (
             f"an exact step costs {ratio:.2f}x a sampled one here, {'within' if exact else 'over'} the "
-            f"{EXACT_MAX_COST:.2f}x where it pays"
+            f"{EXACT_MAX_COST:.2f}x limit"
         )
     return Choice(config.model_copy(update={"sample_softmax": not exact}), f"sample_softmax auto: {why}")
 
@@ -111,7 +111,10 @@ def _one_batch_step(
     sampled softmax's cost grows with the distinct target words a batch holds."""
     device = objective.bilm.device
     batcher = LMBatcher(Path(config.data) / "token_ids" / "train", config.batch_size, config.unroll_steps, seed=1)
-    batch = to_tensors(batcher.next_batch() or {}, device)
+    arrays = batcher.next_batch()
+    if arrays is None:
+        raise InputError(f"{config.data}/token_ids/train: no training batches")
+    batch = to_tensors(arrays, device)
     sampler = LogUniformSampler(n_vocab, seed=0)
 
     def step(exact: bool) -> torch.Tensor:
