@@ -348,7 +348,7 @@ def write_table(out: Path, path: Path) -> None:
                     best = [min(p["perplexity"] for m, p in points.items() if m <= budget) for points in reached]
                     table["results"].append(
                         {"corpus": corpus, "recipe": recipe, "fields": fields, "budget_minutes": budget,
-                         "perplexity": [round(b, 2) for b in best], "precision": RECIPES[recipe]["precision"]}
+                         "perplexity": [round(b, 3) for b in best], "precision": RECIPES[recipe]["precision"]}
                     )  # fmt: skip
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"table: {path} ({len(table['results'])} rows, corpora {', '.join(c['name'] for c in table['corpora'])})")
