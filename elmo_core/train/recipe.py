@@ -196,7 +196,7 @@ def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: d
     rows = [r for r in table["results"] if r["corpus"] == corpus["name"]]
     budgets = sorted({r["budget_minutes"] for r in rows})
     at = max((b for b in budgets if b <= minutes), default=budgets[0])
-    ranked = sorted((r for r in rows if r["budget_minutes"] == at), key=lambda r: _mean(r["perplexity"]))
+    ranked = sorted((r for r in rows if r["budget_minutes"] == at), key=lambda r: statistics.fmean(r["perplexity"]))
     best = ranked[0]
     given = config.model_fields_set
     update = {k: v for k, v in best["fields"].items() if k in RECIPE_FIELDS and k not in given}
@@ -215,10 +215,6 @@ def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: d
         )
     )
     return Choice(config.model_copy(update=update), why)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def _describe(row: dict[str, Any]) -> str:
