@@ -47,7 +47,8 @@ ROOMS = {
         "__init__",
     ],
     "train": [
-        *("checkpoint", "budget", "tracking", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),
+        *("checkpoint", "budget", "optim", "tracking", "objective", "evaluate", "export", "ddp", "recipe", "run"),
+        "loop",
         "launch",
         "mlflow_model",
         "__init__",
