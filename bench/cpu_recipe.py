@@ -94,20 +94,6 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_steps": 300,
     },
 }
-# AdamW for the network with the sampled softmax's rows under Adagrad (softmax_optimizer, #38): Adam where every
-# weight sees every step, Adagrad's per-row shrinking where rows are seldom sampled
-SPLIT: dict[str, Any] = {
-    **TODAY,
-    "precision": "bf16",
-    "optimizer": "adamw",
-    "softmax_optimizer": "adagrad",
-    "softmax_learning_rate": 0.2,
-    "warmup_steps": 300,
-}
-RECIPES["split-adamw"] = {**SPLIT, "learning_rate": 2e-3, "lr_schedule": "inverse_sqrt"}
-RECIPES["split-adamw-const"] = {**SPLIT, "learning_rate": 1e-3, "lr_schedule": "constant"}
-RECIPES["split-adamw-seed1"] = {**RECIPES["split-adamw"], "seed": 1}
-RECIPES["split-adamw-const-seed1"] = {**RECIPES["split-adamw-const"], "seed": 1}
 # the baseline to beat (#38): a plain 1x512 word LSTM per direction, full softmax, Adam (bench/word_lstm.py)
 RECIPES["word-lstm"] = {
     "baseline": "word-lstm",

@@ -239,14 +239,6 @@ class TrainOptions(Options):
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on each LSTM layer's input and the top output")
     optimizer: Literal["adagrad", "adamw"] = Field("adagrad", description="adagrad (bilm-tf) or adamw")
     learning_rate: float = Field(0.2, gt=0.0, description="0.2 for Adagrad (bilm-tf); about 1e-3 for AdamW")
-    softmax_optimizer: Literal["same", "adagrad"] = Field(
-        "same",
-        description="same: the softmax rows under `optimizer`; adagrad: under Adagrad at softmax_learning_rate while "
-        "the network takes AdamW (a sampled softmax's seldom-sampled rows want Adagrad's per-row shrinking)",
-    )
-    softmax_learning_rate: float = Field(
-        0.2, gt=0.0, description="the softmax's Adagrad rate with softmax_optimizer adagrad (bilm-tf's 0.2)"
-    )
     initial_accumulator_value: float = Field(1.0, ge=0.0, description="Adagrad's initial accumulator (bilm-tf: 1.0)")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW only")
     all_clip_norm_val: float = Field(10.0, gt=0.0, description="global gradient-norm clip")

@@ -47,8 +47,7 @@ ROOMS = {
         "__init__",
     ],
     "train": [
-        *("checkpoint", "budget", "optim", "tracking", "objective", "evaluate", "export", "ddp", "recipe", "run"),
-        "loop",
+        *("checkpoint", "budget", "tracking", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),
         "launch",
         "mlflow_model",
         "__init__",

@@ -5,7 +5,7 @@
 
 * State is carried per row between windows; gradients stop at the window boundary (truncated BPTT).
 * The gradient is taken of ``loss × unroll_steps`` and clipped to a global norm, then Adagrad (lr 0.2, initial
-  accumulator 1.0) steps: bilm-tf's recipe. AdamW is an option, with the softmax under Adagrad if asked (optim.py).
+  accumulator 1.0) steps: bilm-tf's recipe. AdamW is an option.
 * ``precision: bf16`` autocasts the forward (CPU or CUDA); master weights, optimizer state, the LSTM cell and
   the softmax with its loss stay float32. On a CPU each LSTM step is one autograd node with its gates in C, and
   the char CNN's backward reaches each max's position only (``BiLM.prepare_training``, ``kernels.trained_step``,
@@ -63,7 +63,6 @@ from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
 from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows, train_token_counts
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
-from elmo_core.train.optim import make_optimizer, schedule
 from elmo_core.train.recipe import choose_for_budget, describe_softmax, settle_softmax, sparse_softmax
 from elmo_core.train.run import Run, TrainResult, restore, save
 from elmo_core.train.tracking import (
@@ -114,6 +113,28 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
         bilm = fresh
     bilm.vocab = vocab
     return bilm
+
+
+def _make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if config.optimizer == "adagrad":
+        return torch.optim.Adagrad(
+            params, lr=config.learning_rate, initial_accumulator_value=config.initial_accumulator_value
+        )
+    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+def learning_rate_at(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The rate of step ``step`` (1-based): a linear warm-up, then the schedule. A function of the step alone, so an
+    exact resume needs no scheduler state."""
+    base, warmup = config.learning_rate, config.warmup_steps
+    if step <= warmup:
+        return base * step / warmup
+    if config.lr_schedule == "inverse_sqrt":
+        return base * math.sqrt(max(warmup, 1) / step)
+    if config.lr_schedule == "cosine":
+        done = (step - warmup) / max(total_steps - warmup, 1)
+        return base * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
+    return base
 
 
 def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -195,7 +216,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         bilm=bilm,
         model=model,
         params=params,
-        optimizer=make_optimizer(config, bilm),
+        optimizer=_make_optimizer(config, params),
         sampler=LogUniformSampler(len(vocab), seed=config.seed + 1000 * ddp.rank),
         batches=Prefetcher(
             LMBatcher(
@@ -317,7 +338,9 @@ def train_step(run: Run) -> dict[str, float] | None:
         return None
     (loss * config.unroll_steps).backward()  # bilm-tf: summed over time, averaged over the batch
     grad_norm = _clip_global_norm(run.params, config.all_clip_norm_val)
-    schedule(run.optimizer, config, run.step, run.total_steps)
+    if config.lr_schedule != "constant" or config.warmup_steps:
+        for group in run.optimizer.param_groups:
+            group["lr"] = learning_rate_at(config, run.step, run.total_steps)
     run.optimizer.step()
     run.loss = float(loss.detach())
     record = {

@@ -23,7 +23,6 @@ from elmo_core.precision import Precision, autocast
 from elmo_core.ranks import Rank
 from elmo_core.train.ddp import gather
 from elmo_core.train.objective import LMObjective
-from elmo_core.train.optim import softmax_under_adagrad
 
 TABLE = Path(__file__).with_name("recipe_table.json")
 
@@ -46,8 +45,6 @@ RECIPE_FIELDS = (
     "sample_softmax",
     "optimizer",
     "learning_rate",
-    "softmax_optimizer",
-    "softmax_learning_rate",
     "lr_schedule",
     "warmup_steps",
     "dropout",
@@ -161,10 +158,10 @@ def sparse_softmax(config: TrainConfig, n_vocab: int, ranks: Rank) -> bool:
     sparse = (
         config.sparse_softmax
         if config.sparse_softmax is not None
-        else (n_vocab > 50_000 and softmax_under_adagrad(config) and ranks.world == 1)
+        else (n_vocab > 50_000 and config.optimizer == "adagrad" and ranks.world == 1)
     )
-    if sparse and (not softmax_under_adagrad(config) or ranks.world > 1):
-        raise ConfigError("sparse_softmax needs the softmax under Adagrad and a single process")
+    if sparse and (config.optimizer != "adagrad" or ranks.world > 1):
+        raise ConfigError("sparse_softmax needs the Adagrad optimizer and a single process")
     return sparse
 
 
