@@ -58,8 +58,13 @@ class Options(BaseModel):
         return self.model_dump(mode="json", exclude=set(skip))
 
     def passed_on(self) -> dict[str, Any]:
-        """The values to lay over another stage's config: every field but the deprecated aliases."""
-        return self.model_dump(exclude=set(tagged(type(self), ALIAS)))
+        """The values to lay over another stage's config: those set (so that config still knows which options were
+        given), but the deprecated aliases."""
+        return self.model_dump(exclude=set(tagged(type(self), ALIAS)), exclude_unset=True)
+
+    def under(self, given: dict[str, Any]) -> dict[str, Any]:
+        """These options as a job's defaults with ``given`` (a few options) laid over them."""
+        return {**self.model_dump(exclude_unset=True), **given}
 
 
 # What a field is beyond its value: tags on the fields (``Field(..., **tags(RUNTIME))``), the sets derived from them.
@@ -299,6 +304,14 @@ class TrainOptions(Options):
     def _bf16_alias(cls, data: Any) -> Any:
         return _deprecated_bf16(data, "bf16", "train")
 
+    def under(self, given: dict[str, Any]) -> dict[str, Any]:
+        """With a ``budget`` given, these defaults' recipe fields step aside: the budget's measured recipe fills
+        what the user did not give (``train.recipe.choose_for_budget``), never a mix of it and these defaults."""
+        laid = super().under(given)
+        if given.get("budget") is None:
+            return laid
+        return {k: v for k, v in laid.items() if k not in RECIPE_FIELDS or k in given}
+
     def architecture(self, n_tokens_vocab: int | None = None) -> ModelConfig:
         """The model to build: ``model`` if given, else the preset; with a softmax over ``n_tokens_vocab`` words."""
         base = self.model or preset(self.preset)
@@ -317,6 +330,21 @@ class TrainConfig(TrainOptions):
     out: str = Field(description="run folder: checkpoints/, model/ (the export), metrics.jsonl")
     init_from: str | None = Field(None, description="fine-tune: a model directory, runs:/ or models:/ URI")
     tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
+
+
+# the fields a budget's measured recipe sets (elmo_core/train/recipe.py) where the user left them unset
+RECIPE_FIELDS = (
+    "preset",
+    "batch_size",
+    "unroll_steps",
+    "n_negative_samples_batch",
+    "sample_softmax",
+    "optimizer",
+    "learning_rate",
+    "lr_schedule",
+    "warmup_steps",
+    "dropout",
+)
 
 
 # The main job's training on 2 CPU cores: the mini model, smaller batches and fewer negatives than bilm-tf, and the

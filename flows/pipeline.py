@@ -83,8 +83,7 @@ class PipelineParams(BaseModel):
         """A dict of a few options is laid over the main job's defaults for that stage, not over the bare model's."""
         if not isinstance(value, dict):
             return value
-        default = cls.model_fields[info.field_name].default
-        return {**default.model_dump(exclude_unset=True), **value}
+        return cls.model_fields[info.field_name].default.under(value)
 
 
 def _absolute(path: str) -> Path:

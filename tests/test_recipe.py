@@ -118,6 +118,31 @@ def test_what_the_user_gave_is_kept_and_without_a_budget_nothing_is_picked():
     assert recipe.choose_for_budget(plain, 80_000, 3_000, table=TABLE).config == plain
 
 
+def test_the_pipeline_under_a_budget_takes_the_tables_recipe_whole_not_mixed_with_its_defaults(tmp_path):
+    """The main job's CPU defaults (mini, batch 32, 512 negatives) give way to the measured recipe under a budget;
+    what the user gave stays, and without a budget the defaults hold as before."""
+    from flows.pipeline import PipelineParams, _stage_configs
+
+    measured = {"preset": "tiny", "batch_size": 16, "unroll_steps": 10, "n_negative_samples_batch": 2048,
+                "sample_softmax": True, "optimizer": "adagrad", "learning_rate": 0.3, "lr_schedule": "constant",
+                "warmup_steps": 0, "dropout": 0.3}  # fmt: skip
+    table = {
+        "corpora": [{"name": "small", "train_tokens": 50_000, "vocab_size": 2_000}],
+        "results": [{"corpus": "small", "recipe": "m", "fields": measured, "budget_minutes": 30, "perplexity": [40.0]}],
+    }
+
+    def pipeline_train(**options) -> TrainConfig:
+        params = PipelineParams.model_validate({"train": options})
+        return _stage_configs(params, tmp_path, [str(tmp_path / "corpus.txt")], "sqlite:///mlflow.db")[2]
+
+    picked = recipe.choose_for_budget(pipeline_train(budget="30m", dropout=0.2), 50_000, 2_000, table=table).config
+    assert {k: getattr(picked, k) for k in measured} == {**measured, "dropout": 0.2}
+    assert picked.export == "best" and picked.checkpoint_every == 200  # the main job's other defaults stay
+    plain = pipeline_train(n_epochs=3)
+    assert (plain.preset, plain.batch_size, plain.n_negative_samples_batch, plain.n_epochs) == ("mini", 32, 512, 3)
+    assert recipe.choose_for_budget(plain, 50_000, 2_000, table=table).config == plain
+
+
 def test_the_shipped_table_is_measured_and_every_recipe_in_it_is_a_valid_config():
     table = recipe.load_table()
     names = {c["name"] for c in table["corpora"]}

@@ -18,7 +18,7 @@ from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
 from elmo_core.data.prefetch import to_tensors
 from elmo_core.errors import ConfigError, InputError
-from elmo_core.options import TrainConfig, budget_seconds
+from elmo_core.options import RECIPE_FIELDS, TrainConfig, budget_seconds
 from elmo_core.precision import Precision, autocast
 from elmo_core.ranks import Rank
 from elmo_core.train.ddp import gather
@@ -36,19 +36,6 @@ TABLE = Path(__file__).with_name("recipe_table.json")
 # batch's logits alone take hundreds of megabytes, and the cost grows with the vocabulary.
 EXACT_MAX_COST = 1.05
 EXACT_MAX_VOCAB = 50_000
-# the fields a measured recipe sets (what the user gave, in a config file or a flag, is kept)
-RECIPE_FIELDS = (
-    "preset",
-    "batch_size",
-    "unroll_steps",
-    "n_negative_samples_batch",
-    "sample_softmax",
-    "optimizer",
-    "learning_rate",
-    "lr_schedule",
-    "warmup_steps",
-    "dropout",
-)
 
 
 class Choice(NamedTuple):
