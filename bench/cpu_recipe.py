@@ -94,6 +94,20 @@ RECIPES: dict[str, dict[str, Any]] = {
         "warmup_steps": 300,
     },
 }
+
+
+def _mini_lstm(dim: int, projection_dim: int) -> dict[str, Any]:
+    """``mini``'s char CNN under LSTMs of another size (the second model size of #38's study)."""
+    from elmo_core.config import mini
+
+    model = mini()
+    return model.model_copy(
+        update={"lstm": model.lstm.model_copy(update={"dim": dim, "projection_dim": projection_dim})}
+    ).model_dump()
+
+
+RECIPES["lstm512"] = {**TODAY, "precision": "bf16", "model": _mini_lstm(512, 128)}
+RECIPES["lstm128"] = {**TODAY, "precision": "bf16", "model": _mini_lstm(128, 32)}
 # the baseline to beat (#38): a plain 1x512 word LSTM per direction, full softmax, Adam (bench/word_lstm.py)
 RECIPES["word-lstm"] = {
     "baseline": "word-lstm",
@@ -325,7 +339,7 @@ def write_table(out: Path, path: Path) -> None:
     from elmo_core import cpu
     from elmo_core.train.evaluate import train_token_counts
 
-    table = json.loads(path.read_text()) if path.exists() else {"corpora": [], "results": []}
+    table = json.loads(path.read_text()) if path.exists() else {"corpora": [], "recipes": {}, "results": []}
     runs = sorted((out / "runs").glob("*/points.json"))
     measured = sorted({p.parent.name.split("-")[0] for p in runs})
     table["corpora"] = [c for c in table["corpora"] if c["name"] not in measured]
@@ -342,15 +356,20 @@ def write_table(out: Path, path: Path) -> None:
                 seeds.setdefault(recipe.split("-seed")[0], []).append(points)
         for recipe, runs_of_recipe in seeds.items():
             fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
-            fields.setdefault("sample_softmax", True)
+            table["recipes"][recipe] = {
+                "fields": {"sample_softmax": True, **fields},
+                "precision": RECIPES[recipe]["precision"],
+            }
             for budget in TABLE_BUDGETS:
                 reached = [points for points in runs_of_recipe if budget in points]  # the seeds that ran this far
                 if reached:
                     best = [min(p["perplexity"] for m, p in points.items() if m <= budget) for points in reached]
                     table["results"].append(
-                        {"corpus": corpus, "recipe": recipe, "fields": fields, "budget_minutes": budget,
-                         "perplexity": [round(b, 3) for b in best], "precision": RECIPES[recipe]["precision"]}
+                        {"corpus": corpus, "recipe": recipe, "budget_minutes": budget,
+                         "perplexity": [round(b, 3) for b in best]}
                     )  # fmt: skip
+    used = {r["recipe"] for r in table["results"]}
+    table["recipes"] = {name: table["recipes"][name] for name in sorted(used)}
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"table: {path} ({len(table['results'])} rows, corpora {', '.join(c['name'] for c in table['corpora'])})")
 

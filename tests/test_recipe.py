@@ -85,14 +85,16 @@ TABLE = {
         {"name": "small", "train_tokens": 50_000, "vocab_size": 2_000},
         {"name": "large", "train_tokens": 5_000_000, "vocab_size": 90_000},
     ],
+    "recipes": {
+        "a": {"fields": {"preset": "mini", "optimizer": "adagrad"}},
+        "b": {"fields": {"preset": "tiny", "optimizer": "adamw", "learning_rate": 0.002, "sample_softmax": False}},
+        "c": {"fields": {"preset": "small"}},
+    },
     "results": [
-        {"corpus": "small", "recipe": "a", "fields": {"preset": "mini", "optimizer": "adagrad"}, "budget_minutes": 5,
-         "perplexity": [50.0, 60.0]},
-        {"corpus": "small", "recipe": "b", "fields": {"preset": "tiny", "optimizer": "adamw", "learning_rate": 0.002,
-         "sample_softmax": False}, "budget_minutes": 5, "perplexity": [54.0, 54.0]},
-        {"corpus": "small", "recipe": "b", "fields": {"preset": "tiny", "optimizer": "adamw"}, "budget_minutes": 30,
-         "perplexity": [40.0]},
-        {"corpus": "large", "recipe": "c", "fields": {"preset": "small"}, "budget_minutes": 5, "perplexity": [9.0]},
+        {"corpus": "small", "recipe": "a", "budget_minutes": 5, "perplexity": [50.0, 60.0]},
+        {"corpus": "small", "recipe": "b", "budget_minutes": 5, "perplexity": [54.0, 54.0]},
+        {"corpus": "small", "recipe": "b", "budget_minutes": 30, "perplexity": [40.0]},
+        {"corpus": "large", "recipe": "c", "budget_minutes": 5, "perplexity": [9.0]},
     ],
 }  # fmt: skip
 
@@ -128,7 +130,8 @@ def test_the_pipeline_under_a_budget_takes_the_tables_recipe_whole_not_mixed_wit
                 "warmup_steps": 0, "dropout": 0.3}  # fmt: skip
     table = {
         "corpora": [{"name": "small", "train_tokens": 50_000, "vocab_size": 2_000}],
-        "results": [{"corpus": "small", "recipe": "m", "fields": measured, "budget_minutes": 30, "perplexity": [40.0]}],
+        "recipes": {"m": {"fields": measured}},
+        "results": [{"corpus": "small", "recipe": "m", "budget_minutes": 30, "perplexity": [40.0]}],
     }
 
     def pipeline_train(**options) -> TrainConfig:
@@ -148,8 +151,11 @@ def test_the_shipped_table_is_measured_and_every_recipe_in_it_is_a_valid_config(
     names = {c["name"] for c in table["corpora"]}
     assert {"pydoc", "wordnet"} <= names and all(c["train_tokens"] > 0 and c["cpu"] for c in table["corpora"])
     for row in table["results"]:
-        assert row["corpus"] in names and row["perplexity"] and all(p > 1 for p in row["perplexity"])
-        TrainOptions(**{k: v for k, v in row["fields"].items() if k in recipe.RECIPE_FIELDS})
+        assert row["corpus"] in names and row["recipe"] in table["recipes"]
+        assert row["perplexity"] and all(p > 1 for p in row["perplexity"])
+    for measured in table["recipes"].values():
+        assert set(measured["fields"]) == set(recipe.RECIPE_FIELDS)  # a pick sets every field, mixing none in
+        TrainOptions(**measured["fields"])
 
 
 def test_elmo_train_with_a_budget_says_which_recipe_the_table_picked(fixture_data, tmp_path):  # noqa: F811

@@ -185,21 +185,18 @@ def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: d
     at = max((b for b in budgets if b <= minutes), default=budgets[0])
     ranked = sorted((r for r in rows if r["budget_minutes"] == at), key=lambda r: statistics.fmean(r["perplexity"]))
     best = ranked[0]
+    fields = table["recipes"][best["recipe"]]["fields"]
     given = config.model_fields_set
-    update = {k: v for k, v in best["fields"].items() if k in RECIPE_FIELDS and k not in given}
+    update = {k: v for k, v in fields.items() if k in RECIPE_FIELDS and k not in given}
     if "export" not in given:
         update["export"] = "best"
     runner_up = f"; next: {ranked[1]['recipe']} {_describe(ranked[1])}" if len(ranked) > 1 else ""
     why = (
-        f"budget {config.budget}: recipe {best['recipe']} ({_spell(best['fields'])}), the lowest heldout perplexity "
+        f"budget {config.budget}: recipe {best['recipe']} ({_spell(fields)}), the lowest heldout perplexity "
         f"the table measured at {at:g} CPU-minutes (one thread) on {corpus['name']} ({corpus['train_tokens']:,} "
         f"train tokens, {corpus['vocab_size']:,} words; this corpus: {n_tokens:,}, {n_vocab:,}): {_describe(best)}"
         f"{runner_up}"
-        + (
-            f"; kept as given: {', '.join(sorted(k for k in best['fields'] if k in given))}"
-            if given & set(best["fields"])
-            else ""
-        )
+        + (f"; kept as given: {', '.join(sorted(k for k in fields if k in given))}" if given & set(fields) else "")
     )
     return Choice(config.model_copy(update=update), why)
 
