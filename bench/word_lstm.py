@@ -94,9 +94,9 @@ class WordLSTMRun:
         """Heldout perplexity as ``elmo_core.train.evaluate`` takes the biLM's: 64-row windows of 20, in order."""
         self.model.eval()
         heldout = self.data / "token_ids" / "heldout"
-        from elmo_core.train.evaluate import num_rows
+        from elmo_core.train.evaluate import heldout_rows
 
-        rows = max(1, min(64, sum(num_rows(f) for f in heldout.glob("part-*.parquet")) // 4))
+        rows = heldout_rows(heldout)
         total, batches, state = 0.0, 0, None
         for batch in LMBatcher(heldout, rows, 20, shuffle=False, loop=False):
             ids, targets = _tensors(batch)

@@ -45,10 +45,7 @@ def evaluate(
     objective = LMObjective(bilm, 0.0, False)
     device = bilm.device
     files = sorted(Path(token_id_dir).glob("part-*.parquet"))
-    n_sentences = sum(num_rows(f) for f in files)
-    if n_sentences == 0:
-        raise InputError(f"{token_id_dir}: no heldout sentences to evaluate on")
-    rows = max(1, min(batch_size, n_sentences // 4))
+    rows = heldout_rows(token_id_dir, batch_size)
     n_tokens = sum(num_tokens(f) for f in files)
     batcher = LMBatcher(token_id_dir, rows, unroll_steps, shuffle=False, loop=False)
     total_f = total_b = unigram = 0.0
@@ -122,6 +119,15 @@ def describe_perplexity(result: dict[str, float], split: str = "heldout") -> str
     if "perplexity_unigram" in result:
         text += f"; unigram baseline {result['perplexity_unigram']:.2f}"
     return text + ")"
+
+
+def heldout_rows(token_id_dir: str | Path, batch_size: int = 64) -> int:
+    """Rows of a heldout window: at most ``batch_size``, and at most a quarter of the sentences, so each row carries
+    its state over several sentences. Any model evaluated on the same windows (the bench's baseline) asks here."""
+    n_sentences = sum(num_rows(f) for f in Path(token_id_dir).glob("part-*.parquet"))
+    if n_sentences == 0:
+        raise InputError(f"{token_id_dir}: no heldout sentences to evaluate on")
+    return max(1, min(batch_size, n_sentences // 4))
 
 
 def num_rows(path: Path) -> int:
