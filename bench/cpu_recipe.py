@@ -108,6 +108,9 @@ def _mini_lstm(dim: int, projection_dim: int) -> dict[str, Any]:
 
 RECIPES["lstm512"] = {**TODAY, "precision": "bf16", "model": _mini_lstm(512, 128)}
 RECIPES["lstm128"] = {**TODAY, "precision": "bf16", "model": _mini_lstm(128, 32)}
+# the softmax bias started at the words' log frequencies (softmax_bias_init, #38)
+RECIPES["unibias"] = {**TODAY, "precision": "bf16", "softmax_bias_init": "unigram"}
+RECIPES["unibias-seed1"] = {**RECIPES["unibias"], "seed": 1}
 # the baseline to beat (#38): a plain 1x512 word LSTM per direction, full softmax, Adam (bench/word_lstm.py)
 RECIPES["word-lstm"] = {
     "baseline": "word-lstm",
@@ -357,7 +360,7 @@ def write_table(out: Path, path: Path) -> None:
         for recipe, runs_of_recipe in seeds.items():
             fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
             table["recipes"][recipe] = {
-                "fields": {"sample_softmax": True, **fields},
+                "fields": {"sample_softmax": True, "softmax_bias_init": "zeros", **fields},
                 "precision": RECIPES[recipe]["precision"],
             }
             for budget in TABLE_BUDGETS:

@@ -242,6 +242,11 @@ class TrainOptions(Options):
         "at most 1.05x a sampled one on this device, measured at the start (vocabularies up to 50k words)",
     )
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout on each LSTM layer's input and the top output")
+    softmax_bias_init: Literal["zeros", "unigram"] = Field(
+        "zeros",
+        description="a new softmax's bias: zeros (bilm-tf) or unigram (each word's log frequency in the train split, "
+        "so rows a sampled softmax seldom samples do not start as likely as common words)",
+    )
     optimizer: Literal["adagrad", "adamw"] = Field("adagrad", description="adagrad (bilm-tf) or adamw")
     learning_rate: float = Field(0.2, gt=0.0, description="0.2 for Adagrad (bilm-tf); about 1e-3 for AdamW")
     initial_accumulator_value: float = Field(1.0, ge=0.0, description="Adagrad's initial accumulator (bilm-tf: 1.0)")
@@ -334,16 +339,8 @@ class TrainConfig(TrainOptions):
 
 # the fields a budget's measured recipe sets (elmo_core/train/recipe.py) where the user left them unset
 RECIPE_FIELDS = (
-    "preset",
-    "batch_size",
-    "unroll_steps",
-    "n_negative_samples_batch",
-    "sample_softmax",
-    "optimizer",
-    "learning_rate",
-    "lr_schedule",
-    "warmup_steps",
-    "dropout",
+    *("preset", "batch_size", "unroll_steps", "n_negative_samples_batch", "sample_softmax", "optimizer"),
+    *("learning_rate", "lr_schedule", "warmup_steps", "dropout", "softmax_bias_init"),
 )
 
 

@@ -258,6 +258,25 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
         assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
 
 
+def test_unigram_softmax_bias_starts_at_the_train_splits_log_frequencies(fixture_data, tmp_path):
+    """softmax_bias_init unigram: each word's add-one log frequency as a forward target, <S> as </S>; zeros (bilm-tf)
+    by default; training goes on from it."""
+    from elmo_core.train.evaluate import train_token_counts
+    from elmo_core.train.loop import setup, train_step
+
+    options = {**FIXTURE_OPTIONS, "data": str(fixture_data), "max_steps": 3}
+    plain = setup(TrainConfig(out=str(tmp_path / "zeros"), **options))
+    assert torch.count_nonzero(plain.bilm.softmax.bias) == 0
+    run = setup(TrainConfig(out=str(tmp_path / "unigram"), softmax_bias_init="unigram", **options))
+    counts, _ = train_token_counts(fixture_data, len(run.vocab))
+    counts[0] = counts[1]
+    expected = torch.log(torch.tensor((counts + 1) / (counts.sum() + len(counts)), dtype=torch.float32))
+    assert torch.allclose(run.bilm.softmax.bias, expected)
+    assert run.bilm.softmax.bias[1] > run.bilm.softmax.bias[-1]  # </S> ends every sentence; the last word is rare
+    assert torch.equal(run.bilm.softmax.weight, plain.bilm.softmax.weight)  # the same seed: only the bias differs
+    assert all(train_step(run) is not None for _ in range(3))
+
+
 @pytest.fixture(scope="module")
 def data_with_heldout(tmp_path_factory, bilm_tf_dir) -> Path:
     """30% of the sentences held out: the fixture model overfits the rest within epochs."""

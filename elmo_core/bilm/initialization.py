@@ -58,6 +58,19 @@ def init_softmax(model: BiLM) -> None:
         model.softmax.bias.zero_()
 
 
+def init_softmax_bias_to_unigram(model: BiLM, counts: torch.Tensor) -> None:
+    """The softmax bias set to each word's add-one log frequency in the train split, so the untrained model is the
+    unigram model. Why: a sampled softmax pushes down only the rows it samples, and a short run samples a rare
+    word's row seldom; from a zero bias such rows keep logits as high as a common word's, and the full softmax
+    (heldout evaluation, any use of the model's probabilities) spreads mass over them."""
+    if model.softmax is None:
+        return
+    counts = counts.to(torch.float64).clone()
+    counts[0] = counts[1]  # <S> ends the backward direction's sentences as </S> ends the forward one's
+    with torch.no_grad():
+        model.softmax.bias.copy_(torch.log((counts + 1.0) / (counts.sum() + len(counts))))
+
+
 def random_model(config: ModelConfig, out: Path, seed: int = 0) -> Path:
     """A model of ``config`` with bilm-tf's initial weights, written to ``out`` (``elmo demo`` without a model)."""
     torch.manual_seed(seed)

@@ -30,12 +30,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from elmo_core import cpu
-from elmo_core.bilm.initialization import init_bilm_tf, init_softmax
+from elmo_core.bilm.initialization import init_bilm_tf, init_softmax, init_softmax_bias_to_unigram
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
@@ -87,10 +88,12 @@ log = logging.getLogger(__name__)
 # ----- building a run ---------------------------------------------------------------------------------
 
 
-def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
+def _build_model(config: TrainConfig, vocab: list[str], counts: np.ndarray) -> BiLM:
     if config.init_from is None:
         bilm = BiLM(config.architecture(len(vocab)), vocab=vocab)
         init_bilm_tf(bilm)
+        if config.softmax_bias_init == "unigram":
+            init_softmax_bias_to_unigram(bilm, torch.from_numpy(counts))
         return bilm
     model_dir = resolve_model_dir(config.init_from)
     bilm = BiLM.from_pretrained(str(model_dir))
@@ -110,6 +113,8 @@ def _build_model(config: TrainConfig, vocab: list[str]) -> BiLM:
             {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False
         )
         init_softmax(fresh)
+        if config.softmax_bias_init == "unigram":
+            init_softmax_bias_to_unigram(fresh, torch.from_numpy(counts))
         bilm = fresh
     bilm.vocab = vocab
     return bilm
@@ -191,7 +196,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     steps_per_epoch = max(
         1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world)
     )
-    bilm = _build_model(config, vocab).to(device)
+    bilm = _build_model(config, vocab, counts).to(device)
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
     precision = resolve_precision(config.precision, device)  # decided once, for the run
     objective = LMObjective(bilm, config.dropout, sparse=False).train()
