@@ -340,6 +340,7 @@ def write_table(out: Path, path: Path) -> None:
     (what ``export: best`` keeps), one value per seed that ran that far. A corpus not measured
     under ``out`` keeps its rows from the table already at ``path``."""
     from elmo_core import cpu
+    from elmo_core.options import RECIPE_FIELDS
     from elmo_core.train.evaluate import train_token_counts
 
     table = json.loads(path.read_text()) if path.exists() else {"corpora": [], "recipes": {}, "results": []}
@@ -355,7 +356,8 @@ def write_table(out: Path, path: Path) -> None:
         seeds: dict[str, list[dict[float, dict[str, float]]]] = {}
         for recipe in RECIPES:
             points = _points(out, corpus, recipe)
-            if points and "baseline" not in RECIPES[recipe]:
+            # the baseline and an explicit model (lstm512, lstm128) are the study's, not a recipe a budget can pick
+            if points and set(RECIPES[recipe]) - {"seed", "precision"} <= set(RECIPE_FIELDS):
                 seeds.setdefault(recipe.split("-seed")[0], []).append(points)
         for recipe, runs_of_recipe in seeds.items():
             fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
