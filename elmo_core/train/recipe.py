@@ -207,5 +207,11 @@ def _describe(row: dict[str, Any]) -> str:
 
 
 def _spell(fields: dict[str, Any]) -> str:
-    softmax = "sampled" if fields.get("sample_softmax", True) else "exact"
-    return f"{fields.get('preset')}, {softmax} softmax, {fields.get('optimizer')} {fields.get('learning_rate')}"
+    """What sets a recipe apart, in a few words."""
+    sampled = fields.get("sample_softmax", True)
+    softmax = f"sampled softmax ({fields.get('n_negative_samples_batch')} negatives)" if sampled else "exact softmax"
+    bias = ", unigram softmax bias" if fields.get("softmax_bias_init") == "unigram" else ""
+    return (
+        f"{fields.get('preset')}, {softmax}, {fields.get('optimizer')} {fields.get('learning_rate')}, dropout "
+        f"{fields.get('dropout')}{bias}"
+    )
