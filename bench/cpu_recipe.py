@@ -340,7 +340,7 @@ def write_table(out: Path, path: Path) -> None:
     (what ``export: best`` keeps), one value per seed that ran that far. A corpus not measured
     under ``out`` keeps its rows from the table already at ``path``."""
     from elmo_core import cpu
-    from elmo_core.options import RECIPE_FIELDS
+    from elmo_core.options import RECIPE_FIELDS, TrainOptions
     from elmo_core.train.evaluate import train_token_counts
 
     table = json.loads(path.read_text()) if path.exists() else {"corpora": [], "recipes": {}, "results": []}
@@ -362,7 +362,7 @@ def write_table(out: Path, path: Path) -> None:
         for recipe, runs_of_recipe in seeds.items():
             fields = {k: v for k, v in RECIPES[recipe].items() if k not in ("seed", "precision")}
             table["recipes"][recipe] = {
-                "fields": {"sample_softmax": True, "softmax_bias_init": "zeros", **fields},
+                "fields": {**{k: TrainOptions.model_fields[k].default for k in RECIPE_FIELDS}, **fields},
                 "precision": RECIPES[recipe]["precision"],
             }
             for budget in TABLE_BUDGETS:

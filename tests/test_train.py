@@ -261,6 +261,7 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
 def test_unigram_softmax_bias_starts_at_the_train_splits_log_frequencies(fixture_data, tmp_path):
     """softmax_bias_init unigram: each word's add-one log frequency as a forward target, <S> as </S>; zeros (bilm-tf)
     by default; training goes on from it."""
+    from elmo_core.text.chars import BOS_ID, EOS_ID
     from elmo_core.train.evaluate import train_token_counts
     from elmo_core.train.loop import setup, train_step
 
@@ -269,7 +270,7 @@ def test_unigram_softmax_bias_starts_at_the_train_splits_log_frequencies(fixture
     assert torch.count_nonzero(plain.bilm.softmax.bias) == 0
     run = setup(TrainConfig(out=str(tmp_path / "unigram"), softmax_bias_init="unigram", **options))
     counts, _ = train_token_counts(fixture_data, len(run.vocab))
-    counts[0] = counts[1]
+    counts[BOS_ID] = counts[EOS_ID]
     expected = torch.log(torch.tensor((counts + 1) / (counts.sum() + len(counts)), dtype=torch.float32))
     assert torch.allclose(run.bilm.softmax.bias, expected)
     assert run.bilm.softmax.bias[1] > run.bilm.softmax.bias[-1]  # </S> ends every sentence; the last word is rare

@@ -5,16 +5,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.weights import forget_gate_bias
 from elmo_core.config import ModelConfig
+from elmo_core.text.chars import BOS_ID, EOS_ID
 
 
-def init_bilm_tf(model: BiLM) -> None:
-    """Initialise a fresh model as bilm-tf does before training."""
+def init_bilm_tf(model: BiLM, unigram_counts: np.ndarray | None = None) -> None:
+    """Initialise a fresh model as bilm-tf does before training (the softmax bias from ``unigram_counts`` if given:
+    ``init_softmax``)."""
     cfg = model.config
     enc = model.token_encoder
     with torch.no_grad():
@@ -46,28 +49,26 @@ def init_bilm_tf(model: BiLM) -> None:
                 nn.init.uniform_(lstm.weight_hr_l0, -bound_p, bound_p)
             lstm.bias_ih_l0.zero_()
             lstm.bias_hh_l0.copy_(forget_gate_bias(lstm.hidden_size))
-    init_softmax(model)
+    init_softmax(model, unigram_counts)
 
 
-def init_softmax(model: BiLM) -> None:
-    """bilm-tf's softmax init, N(0, 1/sqrt(P)) weights and zero bias (also for a new vocabulary when fine-tuning)."""
+def init_softmax(model: BiLM, unigram_counts: np.ndarray | None = None) -> None:
+    """bilm-tf's softmax init, N(0, 1/sqrt(P)) weights and zero bias (also for a new vocabulary when fine-tuning).
+
+    Given the train split's count of each word as a target (``softmax_bias_init: unigram``), the bias starts at each
+    word's add-one log frequency instead, so the untrained model is the unigram model. Why: a sampled softmax pushes
+    down only the rows it samples, and a short run samples a rare word's row seldom; from a zero bias such rows keep
+    logits as high as a common word's, and the full softmax (heldout evaluation, any use of the model's
+    probabilities) spreads mass over them."""
     if model.softmax is None:
         return
     with torch.no_grad():
         nn.init.normal_(model.softmax.weight, 0.0, 1.0 / math.sqrt(model.config.lstm.projection_dim))
-        model.softmax.bias.zero_()
-
-
-def init_softmax_bias_to_unigram(model: BiLM, counts: torch.Tensor) -> None:
-    """The softmax bias set to each word's add-one log frequency in the train split, so the untrained model is the
-    unigram model. Why: a sampled softmax pushes down only the rows it samples, and a short run samples a rare
-    word's row seldom; from a zero bias such rows keep logits as high as a common word's, and the full softmax
-    (heldout evaluation, any use of the model's probabilities) spreads mass over them."""
-    if model.softmax is None:
-        return
-    counts = counts.to(torch.float64).clone()
-    counts[0] = counts[1]  # <S> ends the backward direction's sentences as </S> ends the forward one's
-    with torch.no_grad():
+        if unigram_counts is None:
+            model.softmax.bias.zero_()
+            return
+        counts = torch.tensor(unigram_counts, dtype=torch.float64)
+        counts[BOS_ID] = counts[EOS_ID]  # <S> ends the backward direction's sentences as </S> ends the forward one's
         model.softmax.bias.copy_(torch.log((counts + 1.0) / (counts.sum() + len(counts))))
 
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elmo_core import cpu
-from elmo_core.bilm.initialization import init_bilm_tf, init_softmax, init_softmax_bias_to_unigram
+from elmo_core.bilm.initialization import init_bilm_tf, init_softmax
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
@@ -89,11 +89,12 @@ log = logging.getLogger(__name__)
 
 
 def _build_model(config: TrainConfig, vocab: list[str], counts: np.ndarray) -> BiLM:
+    """A fresh model, or the one to fine-tune (a new softmax where its vocabulary differs); a new softmax's bias from
+    the train counts under ``softmax_bias_init: unigram``."""
+    unigram = counts if config.softmax_bias_init == "unigram" else None
     if config.init_from is None:
         bilm = BiLM(config.architecture(len(vocab)), vocab=vocab)
-        init_bilm_tf(bilm)
-        if config.softmax_bias_init == "unigram":
-            init_softmax_bias_to_unigram(bilm, torch.from_numpy(counts))
+        init_bilm_tf(bilm, unigram)
         return bilm
     model_dir = resolve_model_dir(config.init_from)
     bilm = BiLM.from_pretrained(str(model_dir))
@@ -112,9 +113,7 @@ def _build_model(config: TrainConfig, vocab: list[str], counts: np.ndarray) -> B
         fresh.load_state_dict(
             {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False
         )
-        init_softmax(fresh)
-        if config.softmax_bias_init == "unigram":
-            init_softmax_bias_to_unigram(fresh, torch.from_numpy(counts))
+        init_softmax(fresh, unigram)
         bilm = fresh
     bilm.vocab = vocab
     return bilm
