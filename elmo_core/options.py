@@ -260,7 +260,7 @@ class TrainOptions(Options):
     lr_schedule: Literal["constant", "inverse_sqrt", "cosine"] = Field(
         "constant",
         description="after the warm-up: constant (bilm-tf), inverse_sqrt (lr * sqrt(warmup/step)) or cosine (to 0 at "
-        "the last step)",
+        "the last step, or at the budget's end where that comes first)",
     )
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to learning_rate")
     precision: Precision = Field(

@@ -258,6 +258,25 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
         assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
 
 
+def test_under_a_budget_the_cosine_ends_at_the_budgets_end(fixture_data, tmp_path):
+    """A budgeted run's step count is unknown: the cosine's clock is the later of the steps done and the share of the
+    budget spent, so the rate reaches 0 by the budget's end even where max_steps is far off."""
+    from elmo_core.train.loop import learning_rate_at
+
+    options = {**FIXTURE_OPTIONS, "max_steps": 20_000, "checkpoint_every": 10**6, "log_every": 1}
+    config = TrainConfig(
+        data=str(fixture_data), out=str(tmp_path / "run"), budget="2s", lr_schedule="cosine", **options
+    )
+    assert learning_rate_at(config, 10, 20_000, budget_spent=0.5) == pytest.approx(0.5 * config.learning_rate)
+    assert learning_rate_at(config, 10, 20_000, budget_spent=1.0) == pytest.approx(0.0)
+    assert learning_rate_at(config, 15_000, 20_000, budget_spent=0.1) == pytest.approx(
+        learning_rate_at(config, 15_000, 20_000)
+    )  # the steps, where they are further along
+    rates = [h["learning_rate"] for h in train(config).history]
+    assert len(rates) > 20 and rates[0] > 0.95 * config.learning_rate and rates[-1] < 0.05 * config.learning_rate
+    assert all(later <= earlier for earlier, later in zip(rates, rates[1:]))
+
+
 def test_unigram_softmax_bias_starts_at_the_train_splits_log_frequencies(fixture_data, tmp_path):
     """softmax_bias_init unigram: each word's add-one log frequency as a forward target, <S> as </S>; zeros (bilm-tf)
     by default; training goes on from it."""

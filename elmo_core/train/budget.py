@@ -27,6 +27,10 @@ class Budget:
     def spent(self) -> float:
         return self.spent_before + (self._now() - self._started if self._started is not None else 0.0)
 
+    def share_spent(self) -> float:
+        """The share of the budget spent, 0..1 (0 without a budget): the clock a cosine schedule ends by."""
+        return min(self.spent() / self.seconds, 1.0) if self.seconds is not None else 0.0
+
     def exhausted(self) -> bool:
         return self.seconds is not None and self.spent() >= self.seconds
 

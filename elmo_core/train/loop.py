@@ -127,16 +127,18 @@ def _make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
-def learning_rate_at(config: TrainConfig, step: int, total_steps: int) -> float:
-    """The rate of step ``step`` (1-based): a linear warm-up, then the schedule. A function of the step alone, so an
-    exact resume needs no scheduler state."""
+def learning_rate_at(config: TrainConfig, step: int, total_steps: int, budget_spent: float = 0.0) -> float:
+    """The rate of step ``step`` (1-based): a linear warm-up, then the schedule. A function of the step and, under a
+    ``budget``, of the share of it spent (``budget_spent``, 0..1): the cosine ends at whichever of the last step and
+    the budget's end comes first, so a budgeted run anneals by its end (the step count it will reach is unknown). A
+    resume needs no scheduler state: both are in the checkpoint."""
     base, warmup = config.learning_rate, config.warmup_steps
     if step <= warmup:
         return base * step / warmup
     if config.lr_schedule == "inverse_sqrt":
         return base * math.sqrt(max(warmup, 1) / step)
     if config.lr_schedule == "cosine":
-        done = (step - warmup) / max(total_steps - warmup, 1)
+        done = max((step - warmup) / max(total_steps - warmup, 1), budget_spent)
         return base * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
     return base
 
@@ -344,7 +346,7 @@ def train_step(run: Run) -> dict[str, float] | None:
     grad_norm = _clip_global_norm(run.params, config.all_clip_norm_val)
     if config.lr_schedule != "constant" or config.warmup_steps:
         for group in run.optimizer.param_groups:
-            group["lr"] = learning_rate_at(config, run.step, run.total_steps)
+            group["lr"] = learning_rate_at(config, run.step, run.total_steps, run.budget_spent)
     run.optimizer.step()
     run.loss = float(loss.detach())
     record = {
@@ -477,16 +479,26 @@ def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
 
 
 def _budget_spent(run: Run) -> bool:
-    return run.budget.seconds is not None and _agreed(run, run.budget.exhausted())
+    """Whether the budget is spent; keeps ``run.budget_spent``, the share spent that the schedule reads, the same on
+    every rank (the largest), so every rank steps with the same rate and stops at the same step."""
+    if run.budget.seconds is None:
+        return False
+    run.budget_spent = _agreed_max(run, run.budget.share_spent())
+    return run.budget_spent >= 1.0
 
 
 def _agreed(run: Run, flag: bool) -> bool:
     """``flag`` on any rank: every rank stops at the same step."""
+    return _agreed_max(run, float(flag)) > 0.0
+
+
+def _agreed_max(run: Run, value: float) -> float:
+    """The largest of every rank's ``value`` (one small all-reduce per call under DDP)."""
     if run.ddp.world == 1:
-        return flag
-    value = torch.tensor([int(flag)], device=run.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return value
+    tensor = torch.tensor([value], dtype=torch.float32, device=run.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
 
 
 class _StopRequest:

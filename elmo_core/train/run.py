@@ -79,6 +79,7 @@ class Run:
     node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
     best: BestWeights | None = None  # ``export: best`` (rank 0): the best weights so far
     budget: Budget = field(default_factory=Budget)  # the time it may spend, resumes included
+    budget_spent: float = 0.0  # the share of it spent, as every rank agreed at this step (the schedule's clock)
     reasons: dict[str, str] = field(default_factory=dict)  # why this recipe and softmax (``recipe.py``): logged
 
     @property
