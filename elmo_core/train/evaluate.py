@@ -19,6 +19,7 @@ from elmo_core.errors import ConfigError, InputError
 from elmo_core.options import PerplexityConfig
 from elmo_core.progress import track
 from elmo_core.stage import WholeStage
+from elmo_core.text.chars import EOS_ID
 from elmo_core.train.objective import LMObjective
 
 UNROLL_STEPS = 20  # windows of an evaluation: with the state carried, the numbers do not depend on it
@@ -156,7 +157,7 @@ def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
         ids = pq.read_table(path, columns=["ids"]).column("ids").combine_chunks()
         flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
         counts += np.bincount(flat, minlength=n_vocab)[:n_vocab]
-        counts[1] += len(ids)
+        counts[EOS_ID] += len(ids)  # each sentence's last target
         tokens += len(flat)
     return counts, tokens
 
