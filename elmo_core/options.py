@@ -225,8 +225,8 @@ class TrainOptions(Options):
     max_steps: int | None = Field(None, gt=0, description="stop after this many steps (overrides n_epochs)")
     budget: str | None = Field(
         None,
-        description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs or "
-        "max_steps still stop it first",
+        description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs (if "
+        "given) or max_steps still stop it first",
     )
     budget_clock: Literal["wall", "cpu"] = Field(
         "wall", description="what the budget counts: wall (the clock) or cpu (this process's CPU time, all threads)"

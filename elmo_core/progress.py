@@ -170,3 +170,20 @@ def track(name: str, total: float | None, unit: str = "", done: float = 0.0) -> 
         yield progress
     finally:
         progress.close()
+
+
+class TokenRate:
+    """Tokens per second over the steps counted since the last reset (training's progress line and logged metrics)."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step, self.steps, self.started = tokens_per_step, 0, time.perf_counter()
+
+    def count(self) -> None:
+        self.steps += 1
+
+    def rate(self, reset: bool = False) -> float:
+        now = time.perf_counter()
+        value = self.steps * self.tokens_per_step / max(now - self.started, 1e-9)
+        if reset:
+            self.steps, self.started = 0, now
+        return value

@@ -682,6 +682,17 @@ def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spe
         assert train(cpu).steps < 20_000 and 1.0 <= stopped_at() <= 1.05
 
 
+def test_under_a_budget_the_epochs_bound_the_run_only_where_given(fixture_data, tmp_path):
+    """The table's recipes were measured with the budget alone ending each run: so under a budget, n_epochs' default
+    does not stop it first; n_epochs or max_steps given still do."""
+    options = {**FIXTURE_OPTIONS, "n_train_tokens": 20, "checkpoint_every": 10**6}  # one step an epoch
+    budgeted = TrainConfig(data=str(fixture_data), out=str(tmp_path / "a"), budget="1s", budget_clock="cpu", **options)
+    assert train(budgeted).steps > 10  # ten epochs' default would have stopped it at 10
+    given = budgeted.model_copy(update={"out": str(tmp_path / "b"), "n_epochs": 3.0})
+    assert train(given).steps == 3
+    assert train(budgeted.model_copy(update={"out": str(tmp_path / "c"), "budget": None})).steps == 10
+
+
 def test_a_budget_that_does_not_read_is_one_line_naming_the_flag(tmp_path):
     result = run_elmo("train", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--budget", "30x")
     assert result.returncode == 2

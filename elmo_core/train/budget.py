@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from elmo_core.options import budget_seconds
+from elmo_core.options import TrainConfig, budget_seconds
 
 
 class Budget:
@@ -39,3 +39,13 @@ class Budget:
             return "no time budget"
         before = f", {self.spent_before:,.0f} s of it spent before this resume" if self.spent_before else ""
         return f"budget: {self.seconds:,.0f} s of {self.clock} time{before}"
+
+
+def step_limit(config: TrainConfig, steps_per_epoch: int) -> int | None:
+    """The step a run ends at: ``max_steps``, else ``n_epochs``' worth; None under a ``budget`` with neither given,
+    where the budget alone ends it (as the runs of the table its recipe comes from were measured)."""
+    if config.max_steps:
+        return config.max_steps
+    if config.budget is not None and "n_epochs" not in config.model_fields_set:
+        return None
+    return max(1, int(config.n_epochs * steps_per_epoch))

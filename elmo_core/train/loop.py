@@ -27,7 +27,7 @@ import os
 import shutil
 import signal
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +51,9 @@ from elmo_core.errors import (
 from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.options import TrainConfig
 from elmo_core.precision import autocast, pick_device, resolve_precision
-from elmo_core.progress import track
+from elmo_core.progress import TokenRate, track
 from elmo_core.ranks import Rank, this_process
-from elmo_core.train.budget import Budget
+from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -127,7 +127,7 @@ def _make_optimizer(config: TrainConfig, params: list[nn.Parameter]) -> torch.op
     return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
-def learning_rate_at(config: TrainConfig, step: int, total_steps: int, budget_spent: float = 0.0) -> float:
+def learning_rate_at(config: TrainConfig, step: int, total_steps: int | None, budget_spent: float = 0.0) -> float:
     """The rate of step ``step`` (1-based): a linear warm-up, then the schedule. A function of the step and, under a
     ``budget``, of the share of it spent (``budget_spent``, 0..1): the cosine ends at whichever of the last step and
     the budget's end comes first, so a budgeted run anneals by its end (the step count it will reach is unknown). A
@@ -138,7 +138,8 @@ def learning_rate_at(config: TrainConfig, step: int, total_steps: int, budget_sp
     if config.lr_schedule == "inverse_sqrt":
         return base * math.sqrt(max(warmup, 1) / step)
     if config.lr_schedule == "cosine":
-        done = max((step - warmup) / max(total_steps - warmup, 1), budget_spent)
+        by_steps = (step - warmup) / max(total_steps - warmup, 1) if total_steps else 0.0
+        done = max(by_steps, budget_spent)
         return base * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
     return base
 
@@ -238,7 +239,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         ),
         tracker=NullTracker(),
         steps_per_epoch=steps_per_epoch,
-        total_steps=config.max_steps or max(1, int(config.n_epochs * steps_per_epoch)),
+        total_steps=step_limit(config, steps_per_epoch),
         budget=Budget(config.budget, config.budget_clock),
         reasons=reasons,
     )
@@ -529,23 +530,24 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
         if run.ddp.main and config.budget is not None:
             log.info("%s", run.budget.line())
         run.budget.start()
-        with track("train", run.total_steps, "steps", done=run.step) as progress:
+        total, unit, done = _progress_of(run)
+        with track("train", total, unit, done=done()) as progress:
             rate = TokenRate(run.tokens_per_step)
-            while run.step < run.total_steps and not _budget_spent(run):
+            while _steps_left(run) and not _budget_spent(run):
                 record = train_step(run)
                 if record is not None:
                     rate.count()
-                    progress.update(run.step, f"loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")
+                    progress.update(done(), f"step {run.step:,}, loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")
                     if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
                         log_metrics(run, record, rate.rate(reset=True))
-                if run.step % run.steps_per_epoch == 0 and run.step < run.total_steps:
+                if run.step % run.steps_per_epoch == 0 and _steps_left(run):
                     keep_if_best(run, evaluate_heldout(run))
-                if run.step % config.checkpoint_every == 0 and run.step < run.total_steps:
+                if run.step % config.checkpoint_every == 0 and _steps_left(run):
                     save(run)
                 if stop.agreed(run):
                     path = save(run)
                     raise TrainingStopped(f"stopped at step {run.step} on request; checkpoint {path}; rerun to resume")
-        if run.step < run.total_steps and run.ddp.main:
+        if _steps_left(run) and run.ddp.main:
             log.info(
                 "budget spent (%.2f s of %s time) at step %d: evaluating and exporting",
                 run.budget.spent(),
@@ -571,18 +573,12 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
             dist.destroy_process_group()
 
 
-class TokenRate:
-    """Training tokens per second over the steps since the last logged metrics (the progress line's and MLflow's)."""
+def _steps_left(run: Run) -> bool:
+    return run.total_steps is None or run.step < run.total_steps
 
-    def __init__(self, tokens_per_step: int) -> None:
-        self.tokens_per_step, self.steps, self.started = tokens_per_step, 0, time.perf_counter()
 
-    def count(self) -> None:
-        self.steps += 1
-
-    def rate(self, reset: bool = False) -> float:
-        now = time.perf_counter()
-        value = self.steps * self.tokens_per_step / max(now - self.started, 1e-9)
-        if reset:
-            self.steps, self.started = 0, now
-        return value
+def _progress_of(run: Run) -> tuple[float | None, str, Callable[[], float]]:
+    """What the progress bar counts: steps, or, where the budget alone ends the run, the budget's seconds spent."""
+    if run.total_steps is None:
+        return run.budget.seconds, f"s of the {run.config.budget_clock} budget", run.budget.spent
+    return run.total_steps, "steps", lambda: float(run.step)

@@ -70,7 +70,7 @@ class Run:
     batches: Prefetcher  # the batch generator, run ahead of the step
     tracker: Tracker
     steps_per_epoch: int
-    total_steps: int
+    total_steps: int | None  # None: the budget alone ends the run
     state: LstmState | None = None  # each row's LSTM state, carried into the next window
     step: int = 0
     loss: float = float("nan")
