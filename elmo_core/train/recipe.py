@@ -211,7 +211,8 @@ def _spell(fields: dict[str, Any]) -> str:
     sampled = fields.get("sample_softmax", True)
     softmax = f"sampled softmax ({fields.get('n_negative_samples_batch')} negatives)" if sampled else "exact softmax"
     bias = ", unigram softmax bias" if fields.get("softmax_bias_init") == "unigram" else ""
+    schedule = {"cosine": " annealed (cosine) to 0 by the budget's end", "inverse_sqrt": " inverse-sqrt"}
     return (
-        f"{fields.get('preset')}, {softmax}, {fields.get('optimizer')} {fields.get('learning_rate')}, dropout "
-        f"{fields.get('dropout')}{bias}"
+        f"{fields.get('preset')}, {softmax}, {fields.get('optimizer')} {fields.get('learning_rate')}"
+        f"{schedule.get(fields.get('lr_schedule'), '')}, dropout {fields.get('dropout')}{bias}"
     )
