@@ -32,7 +32,8 @@ class Budget:
         return min(self.spent() / self.seconds, 1.0) if self.seconds is not None else 0.0
 
     def exhausted(self) -> bool:
-        return self.seconds is not None and self.spent() >= self.seconds
+        """The rule the trainer stops by (there on the share every rank agreed): all of the share spent."""
+        return self.seconds is not None and self.share_spent() >= 1.0
 
     def line(self) -> str:
         if self.seconds is None:
