@@ -44,24 +44,59 @@ def test_auto_does_not_measure_above_the_vocabulary_limit_and_a_given_softmax_is
         assert recipe.choose_softmax(_config(sample_softmax=given), 100, never).config.sample_softmax is given
 
 
-def test_the_cost_is_measured_on_the_real_step_and_leaves_gradients_and_rng_as_they_were(fixture_data):  # noqa: F811
+def _fixture_objective(fixture_data):  # noqa: F811
     config = TrainConfig(
         data=str(fixture_data), out="o", model=FIXTURE_MODEL, batch_size=4, unroll_steps=5, n_negative_samples_batch=8
     )
     n_vocab = len((fixture_data / "vocab.txt").read_text().splitlines())
     objective = LMObjective(BiLM(config.architecture(n_vocab), vocab=None), 0.1, sparse=False).train()
     step = recipe._one_batch_step(objective, config, n_vocab, resolve_precision("fp32", "cpu"))
-    calls = []
+    return objective, step, [p for p in objective.parameters() if p.requires_grad]
+
+
+def test_the_cost_is_whole_steps_as_the_run_takes_them_and_leaves_the_model_as_it_was(fixture_data):  # noqa: F811
+    """Each path steps its own optimizer, the sampled one with the run's sparse gradients; then the weights,
+    gradients, the sparse flag and the RNG are as before."""
+    objective, step, params = _fixture_objective(fixture_data)
+    calls, made = [], []
 
     def counted(exact: bool) -> torch.Tensor:
-        calls.append(exact)
+        calls.append((exact, objective.sparse))
         return step(exact)
 
-    rng = torch.get_rng_state()
-    params = [p for p in objective.parameters() if p.requires_grad]
-    ratio = recipe.exact_step_cost(counted, params)
-    assert ratio > 0 and calls == [False, True] * 7
+    def adagrad() -> torch.optim.Optimizer:
+        made.append(torch.optim.Adagrad(params, lr=0.2))
+        return made[-1]
+
+    rng, weights = torch.get_rng_state(), [p.detach().clone() for p in params]
+    ratio = recipe.exact_step_cost(counted, objective, params, adagrad, sparse=True)
+    assert ratio > 0 and calls == [(False, True), (True, False)] * 7
+    assert len(made) == 2 and all(len(o.state) == len(params) for o in made)
+    assert all(o.state[p]["step"] == 7 for o in made for p in params)  # every step took its optimizer's update
     assert all(p.grad is None for p in params) and torch.equal(torch.get_rng_state(), rng)
+    assert objective.sparse is False and all(torch.equal(p, w) for p, w in zip(params, weights))
+
+
+def test_the_cost_counts_the_optimizers_update(fixture_data):  # noqa: F811
+    """A costly update on the exact path alone (as a dense update over every word's row is) shows in the ratio."""
+    objective, step, params = _fixture_objective(fixture_data)
+
+    class Costly(torch.optim.SGD):
+        def step(self, closure=None):
+            a = torch.ones(600, 600)
+            for _ in range(12):
+                a = (a @ a).clamp_(max=1.0)
+            return super().step(closure)
+
+    made = []
+
+    def sampled_cheap_exact_costly() -> torch.optim.Optimizer:
+        made.append((torch.optim.SGD if not made else Costly)(params, lr=0.1))
+        return made[-1]
+
+    plain = recipe.exact_step_cost(step, objective, params, lambda: torch.optim.SGD(params, lr=0.1), sparse=False)
+    costly = recipe.exact_step_cost(step, objective, params, sampled_cheap_exact_costly, sparse=False)
+    assert costly > 3 * plain
 
 
 def test_a_run_with_auto_says_why_and_its_resume_keeps_the_choice(fixture_data, tmp_path, caplog):  # noqa: F811

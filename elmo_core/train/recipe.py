@@ -30,10 +30,10 @@ TABLE = Path(__file__).with_name("recipe_table.json")
 # one thread, two seeds): on the help topics (2k words) an exact step cost 1.15-1.25x a sampled one and gained
 # about as much per step, so at equal CPU time the two tied (best heldout 51.4 against 51.0 in 2.5 minutes); on
 # WordNet (29k words) it cost 9.3x and lost (602.6 against 233.3 after 5 minutes, three of four exact runs
-# diverging). The start-up measure (forward and backward of one batch, without the optimizer) reads 1.02-1.17 on
-# the help topics, whose whole steps cost 1.15-1.25x: 1.05 on it is about where an exact step stops being paid for
-# by what it gains per step, so near there either choice is as good. Above EXACT_MAX_VOCAB it is not measured: one
-# batch's logits alone take hundreds of megabytes, and the cost grows with the vocabulary.
+# diverging). The start-up measure times whole steps, optimizer included (``exact_step_cost``): 1.20-1.28x on the
+# help topics and 6.6-8.4x on WordNet (an Intel Xeon with AMX, one and two threads). Below 1.05 an exact step is
+# about free and its exact gradient a gain; near the tie either choice is as good. Above EXACT_MAX_VOCAB it is not
+# measured: one batch's logits alone take hundreds of megabytes, and the cost grows with the vocabulary.
 EXACT_MAX_COST = 1.05
 EXACT_MAX_VOCAB = 50_000
 
@@ -66,17 +66,25 @@ def choose_softmax(config: TrainConfig, n_vocab: int, exact_cost: Callable[[], f
 
 
 def settle_softmax(
-    config: TrainConfig, objective: LMObjective, n_vocab: int, precision: Precision, out: Path, ranks: Rank
+    config: TrainConfig,
+    objective: LMObjective,
+    n_vocab: int,
+    precision: Precision,
+    out: Path,
+    ranks: Rank,
+    optimizer_for: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
 ) -> Choice:
-    """``choose_softmax`` for this run: measured on one batch of its data on its device (every rank
-    takes the slowest rank's ratio), or the choice of the run's first start when it resumes one."""
+    """``choose_softmax`` for this run: whole steps measured on one batch of its data on its device with its
+    optimizer (``optimizer_for``; every rank takes the slowest rank's ratio), or the choice of the run's first
+    start when it resumes one."""
     if config.sample_softmax == "auto" and config.resume and (kept := _kept_softmax(out)) is not None:
         return Choice(config.model_copy(update={"sample_softmax": kept}), "sample_softmax auto: as this run chose")
 
     def ratio() -> float:
-        step = _one_batch_step(objective, config, n_vocab, precision)
+        loss_of = _one_batch_step(objective, config, n_vocab, precision)
         params = [p for p in objective.parameters() if p.requires_grad]
-        return max(gather(ranks, exact_step_cost(step, params)))
+        sparse = sparse_softmax(config.model_copy(update={"sample_softmax": True}), n_vocab, ranks)
+        return max(gather(ranks, exact_step_cost(loss_of, objective, params, lambda: optimizer_for(params), sparse)))
 
     return choose_softmax(config, n_vocab, ratio)
 
@@ -114,25 +122,58 @@ def _one_batch_step(
     return step
 
 
-def exact_step_cost(step: Callable[[bool], torch.Tensor], params: list[torch.nn.Parameter], pairs: int = 6) -> float:
-    """An exact step's forward and backward time over a sampled one's: ``step(exact)`` returns the loss of one
-    batch. The two are timed in turn, ``pairs`` times after a warm-up pair, and the median of the pairs' ratios is
-    taken (a VM's speed drifts; in turn, both see the same drift). Gradients and the global RNG are left as they
-    were."""
-    rng = torch.get_rng_state()
+def exact_step_cost(
+    loss_of: Callable[[bool], torch.Tensor],
+    objective: LMObjective,
+    params: list[torch.nn.Parameter],
+    optimizer_for: Callable[[], torch.optim.Optimizer],
+    sparse: bool,
+    pairs: int = 6,
+) -> float:
+    """An exact training step's cost over a sampled one's, each whole as the run would take it: ``loss_of(exact)``'s
+    forward and backward (the sampled one with the ``sparse`` softmax gradients the run would use) and the
+    optimizer's update, each softmax with an optimizer of its own. Forward and backward alone hid most of the
+    difference: a dense softmax gradient and its update over every word's row against a few hundred rows (on WordNet,
+    1.03-6.4x read against 7.5-8.5x for whole steps). Timed in turn, ``pairs`` times after a warm-up pair, the
+    median of the pairs' ratios (a VM's speed drifts; in turn, both see the same drift), on this process's CPU clock
+    on a CPU (another process's load does not count) and on the wall clock after a synchronize on a GPU. Weights,
+    gradients, ``objective.sparse`` and the global RNG are left as they were."""
+    clock = _step_clock(params[0].device)
+    saved, rng, was_sparse = [p.detach().clone() for p in params], torch.get_rng_state(), objective.sparse
+    optimizers = {exact: optimizer_for() for exact in (False, True)}
     ratios = []
-    for pair in range(pairs + 1):
-        seconds = {}
-        for exact in (False, True):
-            start = time.perf_counter()
-            step(exact).backward()
-            seconds[exact] = time.perf_counter() - start
-            for p in params:
-                p.grad = None
-        if pair:
-            ratios.append(seconds[True] / seconds[False])
-    torch.set_rng_state(rng)
+    try:
+        for pair in range(pairs + 1):
+            seconds = {}
+            for exact in (False, True):
+                objective.sparse = sparse and not exact
+                start = clock()
+                loss_of(exact).backward()
+                optimizers[exact].step()
+                seconds[exact] = clock() - start
+                for p in params:
+                    p.grad = None
+            if pair:
+                ratios.append(seconds[True] / seconds[False])
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
+        objective.sparse = was_sparse
+        torch.set_rng_state(rng)
     return statistics.median(ratios)
+
+
+def _step_clock(device: torch.device) -> Callable[[], float]:
+    """Seconds to time a step by: the process's CPU time on a CPU, the wall clock once the GPU's queue is done."""
+    if device.type != "cuda":
+        return time.process_time
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized
 
 
 def sparse_softmax(config: TrainConfig, n_vocab: int, ranks: Rank) -> bool:
