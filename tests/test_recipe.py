@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 
 import pytest
 import torch
@@ -83,9 +84,9 @@ def test_the_cost_counts_the_optimizers_update(fixture_data):  # noqa: F811
 
     class Costly(torch.optim.SGD):
         def step(self, closure=None):
-            a = torch.ones(600, 600)
-            for _ in range(12):
-                a = (a @ a).clamp_(max=1.0)
+            end = time.process_time() + 0.05  # 50 CPU-ms of work on the clock the measure reads
+            while time.process_time() < end:
+                pass
             return super().step(closure)
 
     made = []
@@ -96,7 +97,7 @@ def test_the_cost_counts_the_optimizers_update(fixture_data):  # noqa: F811
 
     plain = recipe.exact_step_cost(step, objective, params, lambda: torch.optim.SGD(params, lr=0.1), sparse=False)
     costly = recipe.exact_step_cost(step, objective, params, sampled_cheap_exact_costly, sparse=False)
-    assert costly > 3 * plain
+    assert costly > plain + 2
 
 
 def test_a_run_with_auto_says_why_and_its_resume_keeps_the_choice(fixture_data, tmp_path, caplog):  # noqa: F811

@@ -202,9 +202,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
     precision = resolve_precision(config.precision, device)  # decided once, for the run
     objective = LMObjective(bilm, config.dropout, sparse=False).train()
-    config, softmax_why = settle_softmax(  # auto: measured
-        config, objective, len(vocab), precision, out, ddp, lambda params: _make_optimizer(config, params)
-    )
+    config, softmax_why = settle_softmax(config, objective, len(vocab), precision, out, ddp, _make_optimizer)
     objective.sparse = sparse = sparse_softmax(config, len(vocab), ddp)
     model = _distributed(objective, device, ddp)
     params = [p for p in bilm.parameters() if p.requires_grad]

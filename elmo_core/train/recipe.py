@@ -72,11 +72,11 @@ def settle_softmax(
     precision: Precision,
     out: Path,
     ranks: Rank,
-    optimizer_for: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+    optimizer_for: Callable[[TrainConfig, list[torch.nn.Parameter]], torch.optim.Optimizer],
 ) -> Choice:
-    """``choose_softmax`` for this run: whole steps measured on one batch of its data on its device with its
-    optimizer (``optimizer_for``; every rank takes the slowest rank's ratio), or the choice of the run's first
-    start when it resumes one."""
+    """``choose_softmax`` for this run (``sample_softmax: auto``): whole steps measured on one batch of its data on
+    its device with its optimizer (``optimizer_for(config, params)``; every rank takes the slowest rank's ratio), or
+    the choice of the run's first start when it resumes one."""
     if config.sample_softmax == "auto" and config.resume and (kept := _kept_softmax(out)) is not None:
         return Choice(config.model_copy(update={"sample_softmax": kept}), "sample_softmax auto: as this run chose")
 
@@ -84,7 +84,8 @@ def settle_softmax(
         loss_of = _one_batch_step(objective, config, n_vocab, precision)
         params = [p for p in objective.parameters() if p.requires_grad]
         sparse = sparse_softmax(config.model_copy(update={"sample_softmax": True}), n_vocab, ranks)
-        return max(gather(ranks, exact_step_cost(loss_of, objective, params, lambda: optimizer_for(params), sparse)))
+        cost = exact_step_cost(loss_of, objective, params, lambda: optimizer_for(config, params), sparse)
+        return max(gather(ranks, cost))
 
     return choose_softmax(config, n_vocab, ratio)
 
@@ -132,12 +133,13 @@ def exact_step_cost(
 ) -> float:
     """An exact training step's cost over a sampled one's, each whole as the run would take it: ``loss_of(exact)``'s
     forward and backward (the sampled one with the ``sparse`` softmax gradients the run would use) and the
-    optimizer's update, each softmax with an optimizer of its own. Forward and backward alone hid most of the
-    difference: a dense softmax gradient and its update over every word's row against a few hundred rows (on WordNet,
-    1.03-6.4x read against 7.5-8.5x for whole steps). Timed in turn, ``pairs`` times after a warm-up pair, the
-    median of the pairs' ratios (a VM's speed drifts; in turn, both see the same drift), on this process's CPU clock
-    on a CPU (another process's load does not count) and on the wall clock after a synchronize on a GPU. Weights,
-    gradients, ``objective.sparse`` and the global RNG are left as they were."""
+    optimizer's update, each softmax with an optimizer of its own. Forward and backward alone, dense on both paths,
+    hid much of the difference, a dense update over every word's row against a few hundred rows: on WordNet with
+    the CLI's defaults they read 1.03x once and 3.3-4.8x in four more starts, whole steps 5.0-5.4x. Timed in turn,
+    ``pairs`` times after a warm-up pair, the median of the pairs' ratios (a VM's speed drifts; in turn, both see
+    the same drift), on this process's CPU clock on a CPU (another process's load does not count) and on the wall
+    clock after a synchronize on a GPU. Weights, gradients, ``objective.sparse`` and the global RNG are left as they
+    were."""
     clock = _step_clock(params[0].device)
     saved, rng, was_sparse = [p.detach().clone() for p in params], torch.get_rng_state(), objective.sparse
     optimizers = {exact: optimizer_for() for exact in (False, True)}
