@@ -127,6 +127,13 @@ RECIPES["unibias-b64-cos30-seed1"] = {**RECIPES["unibias-b64-cos30"], "seed": 1}
 for _minutes in (2.5, 5.0, 15.0):
     RECIPES[f"unibias-lr4-cos{_minutes:g}"] = {**RECIPES["unibias-lr4-cos30"], ANNEAL: _minutes}
     RECIPES[f"unibias-lr4-cos{_minutes:g}-seed1"] = {**RECIPES[f"unibias-lr4-cos{_minutes:g}"], "seed": 1}
+# the second model size a budget can pick (#38): the published `small` preset (2x1024_128 LSTMs under a 2,048-filter
+# char CNN) under the recipe that won on WordNet at `mini`'s size
+RECIPES["small-unibias-lr4-cos30"] = {**RECIPES["unibias-lr4-cos30"], "preset": "small"}
+RECIPES["small-unibias-lr4-cos30-seed1"] = {**RECIPES["small-unibias-lr4-cos30"], "seed": 1}
+# and under the help topics' winner there
+RECIPES["small-neg2k-drop3"] = {**RECIPES["neg2k-drop3"], "preset": "small"}
+RECIPES["small-neg2k-drop3-seed1"] = {**RECIPES["small-neg2k-drop3"], "seed": 1}
 # the baseline to beat (#38): a plain 1x512 word LSTM per direction, full softmax, Adam (bench/word_lstm.py)
 RECIPES["word-lstm"] = {
     "baseline": "word-lstm",
@@ -140,6 +147,7 @@ RECIPES["word-lstm"] = {
 RECIPES["word-lstm-seed1"] = {**RECIPES["word-lstm"], "seed": 1}
 RECIPES["exact-adagrad-seed1"] = {**RECIPES["exact-adagrad"], "seed": 1}
 RECIPES["exact-adamw-seed1"] = {**RECIPES["exact-adamw"], "seed": 1}
+RECIPES["adamw-seed1"] = {**RECIPES["adamw"], "seed": 1}
 RECIPES["neg2k-drop3-seed1"] = {**RECIPES["neg2k-drop3"], "seed": 1}
 
 
