@@ -148,6 +148,9 @@ RECIPES["word-lstm-seed1"] = {**RECIPES["word-lstm"], "seed": 1}
 RECIPES["exact-adagrad-seed1"] = {**RECIPES["exact-adagrad"], "seed": 1}
 RECIPES["exact-adamw-seed1"] = {**RECIPES["exact-adamw"], "seed": 1}
 RECIPES["adamw-seed1"] = {**RECIPES["adamw"], "seed": 1}
+# a wider LSTM with the exact softmax on a small vocabulary, where the word-LSTM baseline learns fastest
+RECIPES["lstm512-exact-adagrad"] = {**RECIPES["exact-adagrad"], "model": RECIPES["lstm512"]["model"]}
+RECIPES["lstm512-exact-adagrad-seed1"] = {**RECIPES["lstm512-exact-adagrad"], "seed": 1}
 RECIPES["neg2k-drop3-seed1"] = {**RECIPES["neg2k-drop3"], "seed": 1}
 
 
