@@ -156,6 +156,17 @@ def test_what_the_user_gave_is_kept_and_without_a_budget_nothing_is_picked():
     assert recipe.choose_for_budget(plain, 80_000, 3_000, table=TABLE).config == plain
 
 
+def test_off_the_cpu_a_budget_leaves_the_softmax_to_the_devices_own_measure():
+    """The table's softmax was measured on one CPU thread; on a GPU an exact step can cost less than a sampled one."""
+    on_gpu = recipe.choose_for_budget(_config(budget="20m"), 80_000, 3_000, table=TABLE, device_type="cuda")
+    assert on_gpu.config.sample_softmax == "auto" and on_gpu.config.optimizer == "adamw"  # the rest of recipe b
+    assert "on cuda the softmax is left to sample_softmax auto" in on_gpu.why
+    on_cpu = recipe.choose_for_budget(_config(budget="20m"), 80_000, 3_000, table=TABLE, device_type="cpu")
+    assert on_cpu.config.sample_softmax is False and "sample_softmax auto" not in on_cpu.why
+    given = recipe.choose_for_budget(_config(budget="20m", sample_softmax=True), 80_000, 3_000, TABLE, "cuda")
+    assert given.config.sample_softmax is True and "on cuda" not in given.why
+
+
 def test_the_pipeline_under_a_budget_takes_the_tables_recipe_whole_not_mixed_with_its_defaults(tmp_path):
     """The main job's CPU defaults (mini, batch 32, 512 negatives) give way to the measured recipe under a budget;
     what the user gave stays, and without a budget the defaults hold as before."""

@@ -194,7 +194,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     vocab = read_vocab_file(data / VOCAB_NAME_IN_DATA)
     check_training_vocab(vocab, str(data / VOCAB_NAME_IN_DATA))
     counts, n_data_tokens = train_token_counts(data, len(vocab))
-    config, recipe_why = choose_for_budget(config, n_data_tokens, len(vocab))  # a budget's measured recipe
+    config, recipe_why = choose_for_budget(config, n_data_tokens, len(vocab), device_type=device.type)
     steps_per_epoch = max(
         1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world)
     )

@@ -214,10 +214,15 @@ def load_table(path: Path = TABLE) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: dict[str, Any] | None = None) -> Choice:
+def choose_for_budget(
+    config: TrainConfig, n_tokens: int, n_vocab: int, table: dict[str, Any] | None = None, device_type: str = "cpu"
+) -> Choice:
     """Under a ``budget``: the recipe with the lowest mean heldout perplexity (over its seeds) that the table
     measured on the corpus nearest this one in size, at the largest measured budget not above this one; its fields
-    fill those the user left unset, and ``export`` becomes ``best``. Without a budget: the config as given."""
+    fill those the user left unset, and ``export`` becomes ``best``. Off the CPU the table's softmax is not taken:
+    it was measured on one CPU thread, where an exact step costs 1.2-9x a sampled one, while on an H200 it cost less
+    (docs/training-on-cpu.md), so ``sample_softmax`` is left to ``auto``, which measures this device. Without a
+    budget: the config as given."""
     if config.budget is None:
         return Choice(config, "no budget: the recipe as configured")
     table = table or load_table()
@@ -233,12 +238,16 @@ def choose_for_budget(config: TrainConfig, n_tokens: int, n_vocab: int, table: d
     update = {k: v for k, v in fields.items() if k in RECIPE_FIELDS and k not in given}
     if "export" not in given:
         update["export"] = "best"
+    off_cpu = ""
+    if device_type != "cpu" and "sample_softmax" in update:
+        update["sample_softmax"] = "auto"
+        off_cpu = f"; on {device_type} the softmax is left to sample_softmax auto (the table's was measured on a CPU)"
     runner_up = f"; next: {ranked[1]['recipe']} {_describe(ranked[1])}" if len(ranked) > 1 else ""
     why = (
         f"budget {config.budget}: recipe {best['recipe']} ({_spell(fields)}), the lowest heldout perplexity "
         f"the table measured at {at:g} CPU-minutes (one thread) on {corpus['name']} ({corpus['train_tokens']:,} "
         f"train tokens, {corpus['vocab_size']:,} words; this corpus: {n_tokens:,}, {n_vocab:,}): {_describe(best)}"
-        f"{runner_up}"
+        f"{runner_up}{off_cpu}"
         + (f"; kept as given: {', '.join(sorted(k for k in fields if k in given))}" if given & set(fields) else "")
     )
     return Choice(config.model_copy(update=update), why)
