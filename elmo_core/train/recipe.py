@@ -220,9 +220,9 @@ def choose_for_budget(
     """Under a ``budget``: the recipe with the lowest mean heldout perplexity (over its seeds) that the table
     measured on the corpus nearest this one in size, at the largest measured budget not above this one; its fields
     fill those the user left unset, and ``export`` becomes ``best``. Off the CPU the table's softmax is not taken:
-    it was measured on one CPU thread, where an exact step costs 1.2-9x a sampled one, while on an H200 it cost less
-    (docs/training-on-cpu.md), so ``sample_softmax`` is left to ``auto``, which measures this device. Without a
-    budget: the config as given."""
+    it was measured on one CPU thread, where an exact step costs 1.2-20x a sampled one, while on an H200 it cost
+    less (docs/benchmarks.md, the GPU section), so ``sample_softmax`` is left to ``auto``, which measures this
+    device. Without a budget: the config as given."""
     if config.budget is None:
         return Choice(config, "no budget: the recipe as configured")
     table = table or load_table()
