@@ -131,6 +131,9 @@ for _minutes in (2.5, 5.0, 15.0):
 # char CNN) under the recipe that won on WordNet at `mini`'s size
 RECIPES["small-unibias-lr4-cos30"] = {**RECIPES["unibias-lr4-cos30"], "preset": "small"}
 RECIPES["small-unibias-lr4-cos30-seed1"] = {**RECIPES["small-unibias-lr4-cos30"], "seed": 1}
+# and under the kernel docs' pick at `mini`'s size (the rate the table keeps for kernel-sized corpora)
+RECIPES["small-unibias-cos30"] = {**RECIPES["unibias-cos30"], "preset": "small"}
+RECIPES["small-unibias-cos30-seed1"] = {**RECIPES["small-unibias-cos30"], "seed": 1}
 # and under the help topics' winner there
 RECIPES["small-neg2k-drop3"] = {**RECIPES["neg2k-drop3"], "preset": "small"}
 RECIPES["small-neg2k-drop3-seed1"] = {**RECIPES["small-neg2k-drop3"], "seed": 1}
