@@ -421,6 +421,9 @@ def write_table(out: Path, path: Path) -> None:
     print(f"table: {path} ({len(table['results'])} rows, corpora {', '.join(c['name'] for c in table['corpora'])})")
 
 
+SEED_LINES = ("-", "--", ":", "-.")
+
+
 def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
     import matplotlib
 
@@ -432,7 +435,7 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
     bases = sorted({r.split("-seed")[0] for r in recipes}, key=[r.split("-seed")[0] for r in recipes].index)
     for ax, corpus in zip(axes[0], corpora):
         lowest = float("inf")
-        for recipe in recipes:  # one colour per recipe, a dashed line for its second seed
+        for recipe in recipes:  # one colour per recipe, a line style per seed (solid, dashed, dotted, dash-dot)
             points = sorted(_points(out, corpus, recipe).values(), key=lambda p: p["cpu_minutes"])
             if points:
                 base = recipe.split("-seed")[0]
@@ -441,7 +444,7 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
                 ax.plot(
                     [p["cpu_minutes"] for p in points], values, marker="o", markersize=3, label=recipe,
                     color="black" if "baseline" in RECIPES[recipe] else colours[bases.index(base) % 10],
-                    linestyle="--" if "-seed" in recipe else "-",
+                    linestyle=SEED_LINES[int(recipe.split("-seed")[1]) % 4 if "-seed" in recipe else 0],
                 )  # fmt: skip
         ax.set_title(f"{corpus}: heldout perplexity, 1 thread")
         ax.set_xlabel("CPU-minutes")
