@@ -141,9 +141,11 @@ def test_a_budget_takes_the_lowest_mean_of_the_nearest_corpus_at_the_largest_bud
     assert choice.config.preset == "tiny" and choice.config.optimizer == "adamw"
     assert choice.config.sample_softmax is False and choice.config.export == "best"
     assert "recipe b" in choice.why and "next: a" in choice.why
+    assert "54.0 as the mean of 2 seeds (54.0 and 54.0); next: a" in choice.why  # the mean it ranks by, then each
+    assert choice.why.endswith("55.0 as the mean of 2 seeds (50.0 and 60.0)")
     assert "at 5 CPU-minutes (one thread) on small" in choice.why
     longer = recipe.choose_for_budget(_config(budget="30m"), 80_000, 3_000, table=TABLE)
-    assert "recipe b" in longer.why and "at 30 CPU-minutes" in longer.why
+    assert "recipe b" in longer.why and "at 30 CPU-minutes" in longer.why and "40.0 (1 seed)" in longer.why
     assert recipe.choose_for_budget(_config(budget="1h"), 4_000_000, 80_000, table=TABLE).config.preset == "small"
 
 

@@ -254,8 +254,12 @@ def choose_for_budget(
 
 
 def _describe(row: dict[str, Any]) -> str:
-    seeds = " and ".join(f"{v:,.1f}" for v in row["perplexity"])
-    return f"{seeds} ({len(row['perplexity'])} seed{'s' if len(row['perplexity']) > 1 else ''})"
+    """The mean the ranking uses, then each seed's value: seeds can lie far apart."""
+    values = [f"{v:,.1f}" for v in row["perplexity"]]
+    if len(values) == 1:
+        return f"{values[0]} (1 seed)"
+    seeds = ", ".join(values[:-1]) + f" and {values[-1]}"
+    return f"{statistics.fmean(row['perplexity']):,.1f} as the mean of {len(values)} seeds ({seeds})"
 
 
 def _spell(fields: dict[str, Any]) -> str:
