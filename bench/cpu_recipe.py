@@ -444,7 +444,7 @@ def plot(out: Path, corpora: list[str], recipes: list[str]) -> Path:
                 ax.plot(
                     [p["cpu_minutes"] for p in points], values, marker="o", markersize=3, label=recipe,
                     color="black" if "baseline" in RECIPES[recipe] else colours[bases.index(base) % 10],
-                    linestyle=SEED_LINES[int(recipe.split("-seed")[1]) % 4 if "-seed" in recipe else 0],
+                    linestyle=SEED_LINES[RECIPES[recipe].get("seed", 0) % len(SEED_LINES)],
                 )  # fmt: skip
         ax.set_title(f"{corpus}: heldout perplexity, 1 thread")
         ax.set_xlabel("CPU-minutes")
