@@ -235,7 +235,7 @@ def start_serve(model_dir: Path, precision: str, log: Path, *flags: str) -> tupl
 
 def start_mlflow(model_dir: Path, work: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """The same model logged as the pyfunc model training logs, served by ``mlflow models serve``."""
-    from elmo_core.train.tracking import MLflowTracker
+    from elmo_core.tracking import MLflowTracker
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     tracker = MLflowTracker(experiment="serve-bench", tracking_uri=uri)

@@ -180,7 +180,7 @@ def cmd_info(config: InfoConfig) -> None:
     if config.model is None:
         print(f"kernels of the original shape: {info.original_shape_kernels()}")
         return
-    from elmo_core.train.tracking import resolve_model_dir
+    from elmo_core.tracking import resolve_model_dir
 
     print("\n".join(info.model_report(resolve_model_dir(config.model), config.model)))
 

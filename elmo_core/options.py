@@ -118,7 +118,7 @@ def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
 # ----- ingest ------------------------------------------------------------------------------------------
 
 
-# the tracking store's default, as train.tracking.resolve_tracking_uri applies it
+# the tracking store's default, as tracking.resolve_tracking_uri applies it
 TRACKING_URI_HELP = "MLflow store; default $MLFLOW_TRACKING_URI, else sqlite:///<work folder>/mlflow.db (data/)"
 
 SPLITS = ("train", "heldout", "test")  # every split a dataset may hold

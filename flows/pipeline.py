@@ -37,10 +37,10 @@ from elmo_core.options import (
 )
 from elmo_core.stage import fingerprint_files, run_local, run_once
 from elmo_core.text.corpus import write_default_corpus
+from elmo_core.tracking import MLflowTracker, resolve_tracking_uri
 from elmo_core.train.evaluate import describe_perplexity, evaluate_export
 from elmo_core.train.export import ExportStage
 from elmo_core.train.launch import TrainStage
-from elmo_core.train.tracking import MLflowTracker, resolve_tracking_uri
 from flows.common import PROJECT_ROOT, RETRIED, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
 from flows.summary import print_summary

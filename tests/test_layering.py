@@ -17,7 +17,8 @@ LAYERS = [
     "fileio",
     "progress",
     "precision",
-    "ranks",  # plumbing
+    "ranks",
+    "tracking",  # plumbing; tracking: MLflow behind a small interface (runs, model URIs)
     "text",  # text and character ids
     "config",
     "options",
@@ -47,7 +48,7 @@ ROOMS = {
         "__init__",
     ],
     "train": [
-        *("checkpoint", "budget", "tracking", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),
+        *("checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),
         "launch",
         "mlflow_model",
         "__init__",
@@ -144,7 +145,7 @@ def test_weights_never_builds_a_model():
 def test_elmo_core_imports_without_prefect_or_mlflow():
     modules = "elmo_core, elmo_core.cli, elmo_core.train.loop, elmo_core.vectors.embed, elmo_core.vectors.query"
     code = (
-        f"import sys, {modules}, elmo_core.ingest, elmo_core.data.batches, elmo_core.train.tracking, elmo_core.stage; "
+        f"import sys, {modules}, elmo_core.ingest, elmo_core.data.batches, elmo_core.tracking, elmo_core.stage; "
         "bad = [m for m in ('prefect', 'mlflow', 'flows') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

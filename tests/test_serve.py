@@ -341,7 +341,7 @@ def test_registered_model_served_and_its_pyfunc_signature(tmp_path: Path, bilm: 
     import mlflow
     import pandas as pd
 
-    from elmo_core.train.tracking import MLflowTracker
+    from elmo_core.tracking import MLflowTracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = MLflowTracker(experiment="serve-test", tracking_uri=uri)

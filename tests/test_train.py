@@ -516,7 +516,7 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     assert {"export/options.json", "export/weights.hdf5", "export/vocab.txt"} <= exported
     version = max(client.search_model_versions("name = 'elmo-test'"), key=lambda v: int(v.version))
     mlflow.set_tracking_uri(uri)
-    from elmo_core.train.tracking import resolve_model_dir
+    from elmo_core.tracking import resolve_model_dir
 
     for model_uri in (f"models:/elmo-test/{version.version}", result.model_uri):
         bilm = BiLM.from_pretrained(

@@ -104,7 +104,7 @@ def serve(config: ServeConfig) -> Served:
     from elmo_core.serve.app import create_app
 
     def model_dir() -> str:
-        from elmo_core.train.tracking import is_model_uri, resolve_model_dir
+        from elmo_core.tracking import is_model_uri, resolve_model_dir
 
         return str(resolve_model_dir(config.model)) if is_model_uri(config.model) else config.model
 

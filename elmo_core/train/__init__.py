@@ -1,7 +1,6 @@
 """Training the biLM: the objective, checkpoints, the loop, evaluation, export, and the launch on several ranks.
 
 checkpoint    training checkpoints (one record per rank; the best weights) with their SHA-256, verified
-tracking      the tracker interface (MLflow or nothing) and MLflow model URIs
 objective     the biLM and its sampled-softmax loss as one module (what DDP wraps)
 evaluate      full-softmax perplexity (a run's heldout checks, the exported model's splits, elmo perplexity)
 export        a run's checkpoint or best weights → a bilm-tf/AllenNLP model directory

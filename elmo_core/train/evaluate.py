@@ -167,7 +167,7 @@ def perplexity(config: PerplexityConfig) -> dict[str, float]:
     ids made against the model's own vocab, in a temporary folder)."""
     from elmo_core.data.vocab import write_token_ids
     from elmo_core.ingest import shard_paths
-    from elmo_core.train.tracking import resolve_model_dir
+    from elmo_core.tracking import resolve_model_dir
 
     bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)), device=config.device)
     if bilm.softmax is None or bilm.vocab is None:

@@ -53,6 +53,14 @@ from elmo_core.options import TrainConfig
 from elmo_core.precision import autocast, pick_device, resolve_precision
 from elmo_core.progress import TokenRate, track
 from elmo_core.ranks import Rank, this_process
+from elmo_core.tracking import (
+    MLflowTracker,
+    NodeSystemMetrics,
+    NullTracker,
+    Tracker,
+    check_reachable,
+    resolve_model_dir,
+)
 from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.checkpoint import (
     BestWeights,
@@ -66,14 +74,6 @@ from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
 from elmo_core.train.recipe import choose_for_budget, describe_softmax, settle_softmax, sparse_softmax
 from elmo_core.train.run import Run, TrainResult, restore, save
-from elmo_core.train.tracking import (
-    MLflowTracker,
-    NodeSystemMetrics,
-    NullTracker,
-    Tracker,
-    check_reachable,
-    resolve_model_dir,
-)
 
 __all__ = [
     "TrainConfig",

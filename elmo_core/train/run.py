@@ -20,6 +20,10 @@ from elmo_core.errors import (
 )
 from elmo_core.options import TrainConfig
 from elmo_core.ranks import Rank
+from elmo_core.tracking import (
+    NodeSystemMetrics,
+    Tracker,
+)
 from elmo_core.train.budget import Budget
 from elmo_core.train.checkpoint import (
     BestWeights,
@@ -29,10 +33,6 @@ from elmo_core.train.checkpoint import (
     write_checkpoint,
 )
 from elmo_core.train.ddp import gather
-from elmo_core.train.tracking import (
-    NodeSystemMetrics,
-    Tracker,
-)
 
 log = logging.getLogger(__name__)
 

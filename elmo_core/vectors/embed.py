@@ -52,7 +52,7 @@ from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.options import EmbedConfig, IndexConfig, IngestConfig
 from elmo_core.precision import Precision, onednn_verbose, pick_device, resolve_precision
 from elmo_core.stage import run_local
-from elmo_core.train.tracking import is_model_uri, resolve_model_dir
+from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.vectors.ann import IndexStage, IndexSummary
 
 __all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]

@@ -49,7 +49,7 @@ from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
 from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
-from elmo_core.train.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
+from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
 
 log = logging.getLogger(__name__)
 

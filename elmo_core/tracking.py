@@ -20,7 +20,7 @@ from elmo_core.errors import TrackingError
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL_ARTIFACT = "model"  # artifact path of the logged model; the bilm-tf files sit in its artifacts/elmo
 
 
@@ -243,7 +243,7 @@ class MLflowTracker:
         info = self._mlflow.pyfunc.log_model(
             name=MODEL_ARTIFACT,
             signature=pyfunc_signature(),
-            python_model=str(Path(__file__).with_name("mlflow_model.py")),  # models from code: no pickle
+            python_model=str(Path(__file__).parent / "train" / "mlflow_model.py"),  # models from code: no pickle
             artifacts={"elmo": str(model_dir)},
             registered_model_name=registered_name,
             pip_requirements=["torch", "numpy", "h5py", "pydantic", "pyyaml"],
