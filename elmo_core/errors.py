@@ -44,3 +44,55 @@ class TrainingStopped(ElmoError):
 
 class TrackingError(ElmoError):
     """The MLflow store or a model URI cannot be used."""
+
+
+class NoSpaceError(ElmoError):
+    """An output's estimated size does not fit the free space of the filesystem holding it (checked before writing)."""
+
+
+class DiskFullError(ElmoError):
+    """A write failed for lack of space (ENOSPC, EDQUOT) after it started: the one line that says which folder, how
+    much is free, what is kept, and that a rerun continues. ``fileio.disk_full_error`` measures the free space."""
+
+    def __init__(self, folder: str, free: str, kept: str) -> None:
+        self.folder, self.free, self.kept = folder, free, kept
+        super().__init__(
+            f"{folder}: the disk is full ({free} free on the filesystem holding it); {kept}; run the same command "
+            "again once there is space, it continues"
+        )
+
+
+# How each library says "no space": Python's OSError (errno 28 ENOSPC, 122 EDQUOT) and the libraries that keep only
+# its text: DuckDB (IOException / TransactionException), pyarrow ("[Errno 28] ..."), h5py ("errno = 28" in HDF5's
+# message), torch's writer (``inline_container.cc``: "unexpected pos N vs M", "file write failed"), SQLite under
+# MLflow ("database or disk is full").
+_ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT on Linux (the errno module's values, fixed here for the texts)
+_TEXTS = (
+    "no space left on device",
+    "disk quota exceeded",
+    "errno 28",
+    "errno = 28",
+    "errno 122",
+    "errno = 122",
+    "database or disk is full",
+    "could not write file",
+    "file write failed",
+    "unexpected pos ",
+)
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """True where ``exc``, or an exception it was raised from or during, is a write that failed for lack of space
+    (a ``DiskFullError`` included). The libraries' own classes differ; errno and message text are what they share."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, DiskFullError) or (isinstance(exc, OSError) and exc.errno in _ERRNOS):
+            return True
+        if isinstance(exc, NoSpaceError):
+            return False  # refused before writing: its own line says so
+        text = str(exc).lower()
+        if any(t in text for t in _TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

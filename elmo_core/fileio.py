@@ -9,6 +9,10 @@ file or nothing, never half a file.
 job's bookkeeping, taken before anything is checked or written and held for the job's life. The kernel drops it
 when the process ends, ``kill -9`` included, so a lock is never stale; a second job is refused at once, naming the
 holder, or waits for it.
+
+Space: ``require_space`` refuses an output that will not fit before its first byte; ``disk_full_error`` is the one
+line of a write that failed for lack of space anyway (``errors.disk_full`` recognises it); ``atomic_folder`` makes a
+folder of files appear whole or not at all; ``remove_stale_temps`` removes what a writer that died left behind.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,3 +141,190 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# ----- space: look before writing, and one line when it fills anyway -----------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """``41.2 GB``, ``980 kB``: decimal units, as ``df -H`` and disk makers count."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _existing(folder: str | Path) -> Path:
+    """``folder``, or its nearest ancestor that exists (where it will be made)."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(folder: str | Path) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem that holds (or will hold) ``folder``."""
+    return shutil.disk_usage(_existing(folder)).free
+
+
+def require_space(
+    folder: str | Path, needed_bytes: int, what: str = "", advice: str = "free some space, or write elsewhere"
+) -> None:
+    """Refuse, before anything is written, an output of about ``needed_bytes`` that the filesystem holding
+    ``folder`` has no room for: one ``NoSpaceError`` line, ``what`` saying what the bytes are (``the weights``) and
+    ``advice`` what to do."""
+    from elmo_core.errors import NoSpaceError
+
+    free = free_bytes(folder)
+    if needed_bytes > free:
+        raise NoSpaceError(
+            f"{folder} needs about {format_bytes(needed_bytes)}{f' for {what}' if what else ''}; the filesystem "
+            f"holding it has {format_bytes(free)} free; {advice}"
+        )
+
+
+def _is_temp(name: str) -> bool:
+    return _TEMP.fullmatch(name) is not None
+
+
+def finished_parts(folder: str | Path) -> list[Path]:
+    """The ``part-*`` files of ``folder`` (recursively): each written whole (``atomic_path``), so each is finished."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not _is_temp(d)]
+        found += [Path(directory) / f for f in files if f.startswith("part-") and not _is_temp(f)]
+    return found
+
+
+def _release(exc: BaseException | None) -> None:
+    """Drop the locals of the frames a failed write raised through: a writer's open file (torch's, still holding an
+    unlinked temporary) is closed, so the free space measured next is what is really free."""
+    import gc
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+    gc.collect()
+
+
+def disk_full_error(folder: str | Path, kept: str | None = None, exc: BaseException | None = None) -> Exception:
+    """The ``DiskFullError`` of a write into ``folder`` that failed (``exc``) for lack of space: ``kept`` (what is
+    kept, as the writer knows it) or else the finished part files in the folder, and the free space once the failed
+    write's files are closed."""
+    from elmo_core.errors import DiskFullError
+
+    _release(exc)
+    if kept is None:
+        n = len(finished_parts(folder))
+        kept = (
+            "its inputs are untouched" if n == 0 else f"its {n:,} finished part file{'s are' if n != 1 else ' is'} kept"
+        )
+    return DiskFullError(str(folder), format_bytes(free_bytes(folder)), kept)
+
+
+# a writer's temporary name: ``.NAME.<pid>-<8 hex>.tmp`` (``temp_path``); ``.old`` is a folder ``atomic_folder``
+# moved aside
+_TEMP = re.compile(r"\..+\.(\d+)-[0-9a-f]{8}\.(tmp|old)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: str | Path) -> list[Path]:
+    """Remove the temporary files and folders in ``folder`` whose writer is no longer running (its pid is gone):
+    what a writer killed or stopped by a full disk left behind. Those of a live writer are its own. Returns them."""
+    folder = Path(folder)
+    removed = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = _TEMP.fullmatch(path.name)
+        if match is None or (int(match.group(1)) != os.getpid() and _alive(int(match.group(1)))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        log.info("%s: removed %d temporary file(s) of a writer that ended", folder, len(removed))
+    return removed
+
+
+@contextmanager
+def atomic_folder(path: str | Path) -> Iterator[Path]:
+    """Write a folder's files into the yielded temporary folder beside ``path``; when the block ends without an
+    error it takes the place of ``path`` whole (what else an old ``path`` held, that the block did not write, is
+    carried over), so ``path`` is the old folder, the complete new one, or briefly absent; never half of one. On an
+    error the temporary folder is removed. Stale temporaries of writers that died, beside ``path`` and in it, are
+    removed first. ``path`` must not be a mount point (a rename cannot move it)."""
+    from elmo_core.errors import OutputError
+
+    path = Path(path)
+    if path.is_mount():
+        raise OutputError(f"{path}: a mount point cannot be replaced whole; write into a folder inside it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for entry in tmp.iterdir():
+            if entry.is_file():
+                _fsync(entry)
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """``new`` (complete) becomes ``path``; an existing ``path`` goes aside first, and what it held that ``new`` has
+    not moves into ``new``."""
+    if not path.exists():
+        os.rename(new, path)
+        return
+    for entry in path.iterdir():
+        if not (new / entry.name).exists() and not _is_temp(entry.name):
+            os.rename(entry, new / entry.name)
+    old = new.with_name(new.name.removesuffix(".tmp") + ".old")
+    os.rename(path, old)
+    os.rename(new, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def output_of(options: object) -> Path | None:
+    """The folder a stage's options write to: its ``out``, the folder of its ``db`` (vocab), or its ``table`` (whose
+    index it builds); None for a command that writes nothing."""
+    for name, folder in (("out", lambda p: p), ("db", lambda p: p.parent), ("table", lambda p: p)):
+        value = getattr(options, name, None)
+        if isinstance(value, str | Path) and str(value):
+            return folder(Path(value))
+    return None
+
+
+def as_disk_full(exc: BaseException, folder: str | Path | None) -> Exception | None:
+    """The runners' one mapping: ``exc`` as the ``DiskFullError`` line where it (or what it was raised from) is a
+    write that failed for lack of space, naming ``folder`` (the stage's output; else the file the error names);
+    None for any other error."""
+    from elmo_core.errors import DiskFullError, disk_full
+
+    if not disk_full(exc):
+        return None
+    if isinstance(exc, DiskFullError):
+        return exc
+    named = getattr(exc, "filename", None)
+    return disk_full_error(folder or (Path(named).parent if isinstance(named, str) else Path.cwd()), exc=exc)
