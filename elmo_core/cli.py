@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from elmo_core.config import load_config_file
 from elmo_core.errors import ConfigError, ElmoError
+from elmo_core.fileio import as_disk_full, output_of
 from elmo_core.options import (
     AllennlpElmoConfig,
     DemoConfig,
@@ -155,9 +157,9 @@ def _fixture_model() -> Path | None:
 
 
 def cmd_demo(config: DemoConfig) -> None:
-    from elmo_core import BiLM
     from elmo_core.bilm.initialization import random_model
     from elmo_core.config import tiny
+    from elmo_core.runtime import Runtime
     from elmo_core.vectors.probe import polysemy_table
 
     model_dir = Path(config.model) if config.model else _fixture_model()
@@ -169,7 +171,7 @@ def cmd_demo(config: DemoConfig) -> None:
     text = Path(config.input or PROBES).read_text(encoding="utf-8")
     sentences = [line.split() for line in text.splitlines() if line.strip()]
     print(f"model        {source}")
-    print("\n".join(polysemy_table(BiLM.from_pretrained(str(model_dir)), sentences)))
+    print("\n".join(polysemy_table(Runtime.open(str(model_dir)), sentences)))
 
 
 def cmd_info(config: InfoConfig) -> None:
@@ -180,9 +182,11 @@ def cmd_info(config: InfoConfig) -> None:
     if config.model is None:
         print(f"kernels of the original shape: {info.original_shape_kernels()}")
         return
-    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.runtime import Runtime
 
-    print("\n".join(info.model_report(resolve_model_dir(config.model), config.model)))
+    runtime = Runtime.open(config.model)  # what every command that runs this model prints, resolved the same way
+    print(runtime.line())
+    print("\n".join(info.model_report(runtime.bilm, config.model)))
 
 
 def cmd_ingest(config: IngestConfig) -> None:
@@ -535,27 +539,38 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _user_error(exc: Exception) -> str | None:
+    """The one line of an error the user can act on, or None for a bug (its traceback is wanted)."""
+    if isinstance(exc, ElmoError):
+        return str(exc)
+    if isinstance(exc, OSError):  # a file the user named: missing, unreadable, a folder where a file was expected
+        return _one_line(exc)
+    if type(exc).__module__.startswith("mlflow"):  # the store or a model URI: a setup problem, not a bug
+        return f"MLflow: {_one_line(exc)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     name = f"{args.command} {args.kind}" if args.command in GROUPS else args.command
+    config: Options | None = None
     try:
         model, handler, _, _, _ = COMMANDS[name]
-        handler(parse_config(model, args))
-    except ElmoError as exc:
-        print(f"elmo {name}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a file the user named: missing, unreadable, a folder where a file was expected
-        print(f"elmo {name}: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
+        config = parse_config(model, args)
+        handler(config)
     except KeyboardInterrupt:
         print(f"elmo {name}: interrupted (a rerun continues where it stopped)", file=sys.stderr)
         return 130
     except Exception as exc:
-        if type(exc).__module__.startswith("mlflow"):  # the store or a model URI: a setup problem, not a bug
-            print(f"elmo {name}: error: MLflow: {_one_line(exc)}", file=sys.stderr)
-            return 2
-        raise
+        full = as_disk_full(exc, output_of(config))  # in any library: one line, the folder, the free space
+        if full is not None and args.verbose:
+            traceback.print_exception(exc)
+        line = str(full) if full is not None else _user_error(exc)
+        if line is None:
+            raise
+        print(f"elmo {name}: error: {line}", file=sys.stderr)
+        return 2
     return 0
 
 
