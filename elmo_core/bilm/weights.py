@@ -10,7 +10,8 @@ TensorFlow convention is converted here and nowhere else:
   ``weight_ih``/``weight_hh`` with blocks **i, f, g(=j), o**. ``B`` lacks TF's run-time forget-gate +1, which
   the state dict keeps in the (frozen) ``bias_hh``, so load → save is bit-exact. ``W_P_0`` (H × P) is ``weight_hr.T``.
 
-Only the ``ModelConfig`` and the state-dict key names are needed here: this module never builds a model.
+Only the ``ModelConfig`` and the state-dict key names are needed here: this module never builds a model. A model
+folder is written whole or not at all, and its size is checked against the free space first (``write_model_files``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 import torch
 
 from elmo_core.config import ModelConfig, read_options, write_options
-from elmo_core.errors import WeightFileError
-from elmo_core.fileio import atomic_path
+from elmo_core.errors import WeightFileError, disk_full
+from elmo_core.fileio import atomic_folder, atomic_path, disk_full_error, require_space
 from elmo_core.text.vocab_file import read_vocab_file, write_vocab_file
 
 OPTIONS_NAME = "options.json"
@@ -150,11 +151,13 @@ def softmax_rows(path: str | Path) -> int | None:
         return int(f["softmax/W"].shape[0]) if "softmax/W" in f else None
 
 
-def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write bilm-tf's ``weights.hdf5`` layout (plus ``softmax/W``, ``softmax/b`` when present), atomically."""
+def weights_image(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> bytes:
+    """bilm-tf's ``weights.hdf5`` layout (plus ``softmax/W``, ``softmax/b`` when present) as the file's bytes, made
+    in memory: HDF5 never writes to a disk, so a full one is an ``OSError`` of the plain write after (HDF5's own
+    failed writes can end the process in a segmentation fault), and the size is known before the first byte."""
     cfg = config
     sd = {k: v.detach().float().cpu().numpy() for k, v in state_dict.items()}
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    with h5py.File(f"weights-{id(sd)}.hdf5", "w", driver="core", backing_store=False) as f:
 
         def put(name: str, value: np.ndarray) -> None:
             f.create_dataset(name, data=np.ascontiguousarray(value, dtype=np.float32))
@@ -185,6 +188,15 @@ def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path
         if "softmax.weight" in sd:
             put("softmax/W", sd["softmax.weight"])
             put("softmax/b", sd["softmax.bias"])
+        f.flush()
+        return f.id.get_file_image()
+
+
+def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write bilm-tf's ``weights.hdf5`` (``weights_image``) atomically."""
+    image = weights_image(config, state_dict)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(image)
 
 
 def resolve_model_files(
@@ -225,10 +237,22 @@ def read_model_files(
 def write_model_files(
     directory: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], vocab: list[str] | None = None
 ) -> None:
-    """options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
+    """options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged. The folder appears
+    complete or not at all (``atomic_folder``: written beside it, then renamed into place; temporaries of an export
+    that died are removed), and one that would not fit is refused before the first byte (``require_space``)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_options(config, directory / OPTIONS_NAME)
-    write_weights(config, state_dict, directory / WEIGHTS_NAME)
-    if vocab is not None:
-        write_vocab_file(vocab, directory / VOCAB_NAME)
+    image = weights_image(config, state_dict)
+    words = "".join(f"{token}\n" for token in vocab).encode() if vocab is not None else b""
+    require_space(directory, len(image) + len(words) + 16 * 1024, "the model")  # + options.json, file system blocks
+    try:
+        with atomic_folder(directory) as tmp:
+            write_options(config, tmp / OPTIONS_NAME)
+            with atomic_path(tmp / WEIGHTS_NAME) as weights:
+                weights.write_bytes(image)
+            if vocab is not None:
+                write_vocab_file(vocab, tmp / VOCAB_NAME)
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        kept = f"{directory} is as it was" if directory.exists() else f"no half of {directory} was left"
+        raise disk_full_error(directory, kept, exc) from exc
