@@ -54,12 +54,11 @@ class DiskFullError(ElmoError):
     """A write failed for lack of space (ENOSPC, EDQUOT) after it started: the one line that says which folder, how
     much is free, what is kept, and that a rerun continues. ``fileio.disk_full_error`` measures the free space."""
 
-    def __init__(self, folder: str, free: str, kept: str) -> None:
+    RERUN = "run the same command again once there is space, it continues"
+
+    def __init__(self, folder: str, free: str, kept: str, rerun: str = RERUN) -> None:
         self.folder, self.free, self.kept = folder, free, kept
-        super().__init__(
-            f"{folder}: the disk is full ({free} free on the filesystem holding it); {kept}; run the same command "
-            "again once there is space, it continues"
-        )
+        super().__init__(f"{folder}: the disk is full ({free} free on the filesystem holding it); {kept}; {rerun}")
 
 
 # How each library says "no space": Python's OSError (errno 28 ENOSPC, 122 EDQUOT) and the libraries that keep only

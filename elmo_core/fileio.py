@@ -214,10 +214,12 @@ def _release(exc: BaseException | None) -> None:
     gc.collect()
 
 
-def disk_full_error(folder: str | Path, kept: str | None = None, exc: BaseException | None = None) -> Exception:
+def disk_full_error(
+    folder: str | Path, kept: str | None = None, exc: BaseException | None = None, rerun: str | None = None
+) -> Exception:
     """The ``DiskFullError`` of a write into ``folder`` that failed (``exc``) for lack of space: ``kept`` (what is
-    kept, as the writer knows it) or else the finished part files in the folder, and the free space once the failed
-    write's files are closed."""
+    kept, as the writer knows it) or else the finished part files in the folder, the free space once the failed
+    write's files are closed, and ``rerun`` (how to continue, where it is not the same command again)."""
     from elmo_core.errors import DiskFullError
 
     _release(exc)
@@ -226,7 +228,8 @@ def disk_full_error(folder: str | Path, kept: str | None = None, exc: BaseExcept
         kept = (
             "its inputs are untouched" if n == 0 else f"its {n:,} finished part file{'s are' if n != 1 else ' is'} kept"
         )
-    return DiskFullError(str(folder), format_bytes(free_bytes(folder)), kept)
+    free = format_bytes(free_bytes(folder))
+    return DiskFullError(str(folder), free, kept, rerun) if rerun else DiskFullError(str(folder), free, kept)
 
 
 # a writer's temporary name: ``.NAME.<pid>-<8 hex>.tmp`` (``temp_path``); ``.old`` is a folder ``atomic_folder``
