@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from elmo_core.errors import TrackingError
+from elmo_core.errors import TrackingError, disk_full
+from elmo_core.fileio import disk_full_error
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class _MetricQueue:
         self._lock = threading.Lock()
         self._wake, self._stopping = threading.Event(), False
         self.last_error: str | None = None
+        self.disk_full = False  # a send failed for lack of space in the store (warned once, at once)
         self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
         self._thread.start()
 
@@ -137,6 +139,13 @@ class _MetricQueue:
             return True
         except Exception as exc:  # any failure of the store: keep the points for the next attempt
             self.last_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if disk_full(exc) and not self.disk_full:
+                self.disk_full = True
+                log.warning(
+                    "MLflow: the disk holding the store is full; the training goes on, its metrics are kept "
+                    "and sent again (%s)",
+                    self.last_error,
+                )
             with self._lock:
                 self._pending = batch + self._pending
             return False
@@ -194,6 +203,19 @@ class MLflowTracker:
             Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(uri)
         self.tracking_uri = uri
+        self.failed: list[str] = []  # what could not be logged, for the warning at the end
+        self.disk_full = False  # a logging call failed for lack of space in the store
+        try:
+            self._start(experiment, run_name, run_id, tags)
+        except Exception as exc:
+            if not disk_full(exc):
+                raise
+            folder = _store_folder(uri)
+            raise disk_full_error(folder, "the MLflow run was not started, nothing was trained yet", exc) from exc
+        log.info("MLflow run %s (experiment %s) at %s", self.run_id, self.experiment_id, uri)
+
+    def _start(self, experiment: str, run_name: str | None, run_id: str | None, tags: dict[str, str] | None) -> None:
+        mlflow, uri = self._mlflow, self.tracking_uri
         if run_id is None:
             if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(experiment) is None:
                 # artifacts beside the SQLite store (not ./mlruns of whatever the working directory is)
@@ -204,8 +226,6 @@ class MLflowTracker:
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
         self._metrics = _MetricQueue(mlflow.tracking.MlflowClient(uri), self.run_id)
-        self.failed: list[str] = []  # what could not be logged, for the warning at the end
-        log.info("MLflow run %s (experiment %s) at %s", self.run_id, self.experiment_id, uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
         flat: dict[str, Any] = {}
@@ -213,17 +233,21 @@ class MLflowTracker:
         existing = self._mlflow.get_run(self.run_id).data.params
         new = {k: str(v)[:6000] for k, v in flat.items() if k not in existing}  # a resumed run keeps its params
         if new:
-            self._mlflow.log_params(new)
+            self._tolerant(f"{len(new)} params", lambda: self._mlflow.log_params(new), only_disk_full=True)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Queued: sent by a background thread, retried while the server is away (``_MetricQueue``)."""
         self._metrics.put(metrics, step)
 
-    def _tolerant(self, what: str, call: Any) -> Any:
-        """Run a logging call at the end of a run; a store that is away costs a warning, not the training."""
+    def _tolerant(self, what: str, call: Any, only_disk_full: bool = False) -> Any:
+        """Run a logging call; a store that is away (at the end of a run) or full (at any time) costs a warning, not
+        the training."""
         try:
             return call()
         except Exception as exc:
+            if only_disk_full and not disk_full(exc):
+                raise
+            self.disk_full = self.disk_full or disk_full(exc)
             self.failed.append(f"{what} ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__})")
             log.warning("MLflow at %s: could not log %s: %s", self.tracking_uri, what, self.failed[-1])
             return None
@@ -262,12 +286,19 @@ class MLflowTracker:
             self.failed.append(f"{lost} metric points (last error: {self._metrics.last_error})")
         self._tolerant("the end of the run", lambda: self._mlflow.end_run(status=status))
         if self.failed:
+            full = self.disk_full or self._metrics.disk_full
             log.warning(
-                "MLflow at %s was unreachable for part of the run; not logged: %s. The checkpoints, the model "
-                "directory and metrics.jsonl in the run folder hold everything",
+                "MLflow at %s %s for part of the run; not logged: %s. The checkpoints, the model directory and "
+                "metrics.jsonl in the run folder hold everything",
                 self.tracking_uri,
+                "could not store (the disk holding it is full)" if full else "was unreachable",
                 "; ".join(self.failed),
             )
+
+
+def _store_folder(uri: str) -> str:
+    """The folder of a store that is a file (what fills up), or the URI of a server."""
+    return str(Path(uri.removeprefix("sqlite:///")).parent) if uri.startswith("sqlite:///") else uri
 
 
 class NodeSystemMetrics:
