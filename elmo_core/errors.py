@@ -57,8 +57,11 @@ class DiskFullError(ElmoError):
     RERUN = "run the same command again once there is space, it continues"
 
     def __init__(self, folder: str, free: str, kept: str, rerun: str = RERUN) -> None:
-        self.folder, self.free, self.kept = folder, free, kept
+        self.folder, self.free, self.kept, self.rerun = folder, free, kept, rerun
         super().__init__(f"{folder}: the disk is full ({free} free on the filesystem holding it); {kept}; {rerun}")
+
+    def __reduce__(self) -> tuple:  # pickled whole: a Prefect task's or a worker process's result
+        return type(self), (self.folder, self.free, self.kept, self.rerun)
 
 
 # How each library says "no space": Python's OSError (errno 28 ENOSPC, 122 EDQUOT) and the libraries that keep only

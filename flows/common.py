@@ -1,7 +1,9 @@
 """Shared bits of the flows: environment defaults (set before Prefect is imported), progress in the Prefect UI,
-one-line failures, the retry policy, and ``run_stage``: the Prefect runner of a stage (``elmo_core.stage``)."""
+one-line failures (a full disk included, as the ``elmo`` command says it), the retry policy, and ``run_stage``: the
+Prefect runner of a stage (``elmo_core.stage``)."""
 
 import functools
+import inspect
 import logging
 import os
 import time
@@ -23,7 +25,8 @@ from prefect import get_run_logger, task, unmapped  # noqa: E402  (after the env
 from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
 from prefect.futures import as_completed  # noqa: E402
 
-from elmo_core.errors import ElmoError  # noqa: E402
+from elmo_core.errors import DiskFullError, ElmoError  # noqa: E402
+from elmo_core.fileio import as_disk_full, output_of  # noqa: E402
 from elmo_core.progress import Progress, add_sink, format_amount, track  # noqa: E402
 from elmo_core.stage import Stage  # noqa: E402
 
@@ -73,12 +76,30 @@ def reporting() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def disk_full_as_one_line(folder: Any) -> Iterator[None]:
+    """The flows' side of the CLI's mapping: a write that failed for lack of space, in whichever library, becomes the
+    one ``DiskFullError`` line naming ``folder`` (the stage's output) and its free space; the traceback stays in the
+    run's debug log."""
+    try:
+        yield
+    except Exception as exc:
+        full = as_disk_full(exc, folder)
+        if full is None or full is exc:
+            raise
+        logging.getLogger(__name__).debug("the write that failed for lack of space", exc_info=exc)
+        raise full from exc
+
+
 def stage(fn: F) -> F:
-    """Run a task body with its progress in the Prefect UI."""
+    """Run a task body (one of the main job's stages, with an ``out`` folder) with its progress in the Prefect UI and
+    a full disk as one line."""
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with reporting():
+        out = signature.bind_partial(*args, **kwargs).arguments.get("out")
+        with reporting(), disk_full_as_one_line(out):
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -97,8 +118,10 @@ for _logger in ("prefect.task_runs", "prefect.flow_runs"):
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
-    """Retries are for passing trouble (a busy disk, a flaky store), not for input that is wrong."""
-    return not isinstance(state.result(raise_on_failure=False), ElmoError)
+    """Retries are for passing trouble (a busy disk, a full one freed meanwhile, a flaky store), not for input that
+    is wrong."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, ElmoError) or isinstance(error, DiskFullError)
 
 
 # the project's one retry policy (``@task(**RETRIED)``): passing trouble (a locked file, a full disk freed meanwhile)
@@ -150,7 +173,7 @@ def run_stage(runner: Stage, options: Any) -> Any:
     can limit them), then its finish; the claim on the output is held by the flow's process the whole time, and the
     units' progress shows in the Prefect UI. The summary it returns is the stage's own, as ``run_local``'s is."""
     started = time.perf_counter()
-    with runner.claim(options):
+    with disk_full_as_one_line(output_of(options)), runner.claim(options):
         plan = plan_stage.with_options(name=f"plan-{runner.name}")(runner, options)
         units = list(plan.units)
         unit_task = run_unit.with_options(name=f"{runner.name}-unit", tags=[f"elmo-{runner.name}-unit"])
