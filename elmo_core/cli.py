@@ -157,9 +157,9 @@ def _fixture_model() -> Path | None:
 
 
 def cmd_demo(config: DemoConfig) -> None:
-    from elmo_core import BiLM
     from elmo_core.bilm.initialization import random_model
     from elmo_core.config import tiny
+    from elmo_core.runtime import Runtime
     from elmo_core.vectors.probe import polysemy_table
 
     model_dir = Path(config.model) if config.model else _fixture_model()
@@ -171,20 +171,22 @@ def cmd_demo(config: DemoConfig) -> None:
     text = Path(config.input or PROBES).read_text(encoding="utf-8")
     sentences = [line.split() for line in text.splitlines() if line.strip()]
     print(f"model        {source}")
-    print("\n".join(polysemy_table(BiLM.from_pretrained(str(model_dir)), sentences)))
+    print("\n".join(polysemy_table(Runtime.open(str(model_dir)), sentences)))
 
 
 def cmd_info(config: InfoConfig) -> None:
     """This machine (the CPU, what torch dispatches to, the precisions and kernels it offers), then the model."""
-    from elmo_core.bilm import info
+    from elmo_core.runtime import info
 
     print("\n".join(info.machine_report()))
     if config.model is None:
         print(f"kernels of the original shape: {info.original_shape_kernels()}")
         return
-    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.runtime import Runtime
 
-    print("\n".join(info.model_report(resolve_model_dir(config.model), config.model)))
+    runtime = Runtime.open(config.model)  # what every command that runs this model prints, resolved the same way
+    print(runtime.line())
+    print("\n".join(info.model_report(runtime.bilm, config.model)))
 
 
 def cmd_ingest(config: IngestConfig) -> None:

@@ -117,7 +117,8 @@ class WholeStage:
 
 
 def _run_in_worker(stage: Stage, plan: Plan, unit: Unit) -> Any:
-    cpu.apply_thread_share()  # the environment cpu.worker_env gave this process: its share of the cores
+    # the environment cpu.worker_env gave this process holds its share of the cores: the runtime takes it as the
+    # model's threads (runtime.placement.take_threads), an index shard as faiss's
     return stage.run_unit(plan, unit)
 
 

@@ -327,25 +327,66 @@ def is_model_uri(uri: str) -> bool:
     return "://" in uri or ":/" in uri
 
 
-def resolve_model_dir(uri: str, dst: str | Path | None = None) -> Path:
-    """A local model directory for a path, ``runs:/<run>/model`` or ``models:/<name>/<version|latest>`` URI."""
-    if not is_model_uri(uri):
-        return Path(uri)
+def _mlflow() -> Any:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import mlflow
-    from mlflow.exceptions import MlflowException
 
     mlflow.set_tracking_uri(resolve_tracking_uri())
-    if uri.startswith(("models:/", "runs:/")):
-        check_reachable(mlflow.get_tracking_uri())  # a store that is away: seconds, not MLflow's retries
+    return mlflow
+
+
+def _fetch_error(uri: str, exc: Exception, tracking_uri: str) -> TrackingError:
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return TrackingError(
+        f"{uri}: cannot be fetched from the MLflow store {tracking_uri} ({message}); check the name and version "
+        "(`mlflow ui` lists them) and MLFLOW_TRACKING_URI"
+    )
+
+
+def registered_version(name: str, version: str | None, alias: str | None) -> dict[str, str]:
+    """What a registered model's reference names now: ``latest`` (the highest version), a number or an alias ─►
+    ``{"name", "version", "run_id", "created", "store"}``, the facts that identify its files for a download cache
+    (a version number alone repeats when a store is made anew)."""
+    mlflow = _mlflow()
+    from mlflow.exceptions import MlflowException
+
+    store = mlflow.get_tracking_uri()
+    check_reachable(store)  # a store that is away: seconds, not MLflow's retries
+    client = mlflow.MlflowClient()
+    asked = f"models:/{name}@{alias}" if alias else f"models:/{name}/{version}"
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None))
+        if alias:
+            found = client.get_model_version_by_alias(name, alias)
+        elif version == "latest":
+            versions = client.search_model_versions(f"name = '{name}'")
+            if not versions:
+                raise MlflowException(f"no version of a registered model named {name!r}")
+            found = max(versions, key=lambda v: int(v.version))
+        else:
+            found = client.get_model_version(name, str(version))
     except (MlflowException, OSError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TrackingError(
-            f"{uri}: cannot be fetched from the MLflow store {mlflow.get_tracking_uri()} ({message}); check the "
-            "name and version (`mlflow ui` lists them) and MLFLOW_TRACKING_URI"
-        ) from None
+        raise _fetch_error(asked, exc, store) from None
+    return {
+        "name": name,
+        "version": str(found.version),
+        "run_id": str(found.run_id or ""),
+        "created": str(found.creation_timestamp),
+        "store": store,
+    }
+
+
+def download_model(uri: str, dst: Path) -> Path:
+    """Download a model URI's artifacts into ``dst`` and return the folder inside that holds options.json (a
+    logged pyfunc model keeps it under ``artifacts/elmo``)."""
+    mlflow = _mlflow()
+    from mlflow.exceptions import MlflowException
+
+    if uri.startswith(("models:/", "runs:/")):
+        check_reachable(mlflow.get_tracking_uri())
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except (MlflowException, OSError) as exc:
+        raise _fetch_error(uri, exc, mlflow.get_tracking_uri()) from None
     if (local / "options.json").exists():
         return local
     for options in sorted((local / "artifacts").rglob("options.json")):  # a logged pyfunc model

@@ -27,6 +27,7 @@ LAYERS = [
     "data",  # text → Parquet → DuckDB vocab → batches
     "bilm",
     "__init__",  # the network: weights, running over sentences, kernels, the model (the package exports it)
+    "runtime",  # how a model runs in a process: reference, placement, output, the engine
     "train",  # training, on one process or launched on several
     "vectors",  # embeddings, the nearest-neighbour index, queries, probes
     "allennlp",  # AllenNLP's ELMo surface on this project
@@ -41,7 +42,7 @@ ROOMS = {
     "data": ["vocab", "batches", "prefetch", "__init__"],
     "bilm": [
         *("weights", "inference", "lstm_math", "kernels", "packing", "model", "scalar_mix", "initialization"),
-        *("info", "softmax", "__init__"),
+        *("softmax", "__init__"),
     ],
     "bilm.kernels": [
         *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells", "choice"),
@@ -53,6 +54,7 @@ ROOMS = {
         "mlflow_model",
         "__init__",
     ],
+    "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],
     "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],

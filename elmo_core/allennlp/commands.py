@@ -24,6 +24,7 @@ from torch import Tensor
 
 from elmo_core.allennlp.modules import _ElmoBiLm, remove_sentence_boundaries
 from elmo_core.errors import ConfigError, InputError
+from elmo_core.runtime import Runtime
 from elmo_core.text.chars import batch_to_ids
 
 if TYPE_CHECKING:  # the options module loads pyarrow (through the tokenizers); the drop-in must not
@@ -74,11 +75,12 @@ class ElmoEmbedder:
         options_file = _local(options_file, "options file", weight_file)
         weight_file = _local(weight_file, "weight file", options_file)
         self.indexer = batch_to_ids  # sentences ─► char ids (AllenNLP: an ELMoTokenCharactersIndexer)
-        self.elmo_bilm = _ElmoBiLm(options_file, weight_file, stateful=stateful, precision=precision).eval()
+        device = f"cuda:{cuda_device}" if cuda_device >= 0 else "cpu"
+        self.elmo_bilm = _ElmoBiLm(options_file, weight_file, stateful=stateful, precision=precision, device=device)
+        self.elmo_bilm.eval()
         self.cuda_device = cuda_device
-        self._stateful, self._precision = stateful, precision
-        if cuda_device >= 0:
-            self.elmo_bilm = self.elmo_bilm.cuda(device=cuda_device)
+        self._stateful = stateful
+        self._runtime: Runtime = self.elmo_bilm._runtime  # type: ignore[assignment]
 
     @property
     def _device(self) -> torch.device:
@@ -98,7 +100,7 @@ class ElmoEmbedder:
         """One float32 (3, n_tokens, D) array per sentence; an empty sentence gives (3, 0, D)."""
         if self._stateful:
             return self._embed_in_order(batch)
-        return self.elmo_bilm._bilm.embed_sentences(batch, precision=self._precision)
+        return self._runtime.embed(batch)
 
     def _embed_in_order(self, batch: list[list[str]]) -> list[np.ndarray]:
         """AllenNLP's own way: the batch as it is, through ``batch_to_embeddings`` (the stateful protocol)."""
@@ -123,7 +125,7 @@ class ElmoEmbedder:
             if self._stateful:
                 yield from self._embed_in_order(chunk)
             else:
-                yield from self.elmo_bilm._bilm.embed_sentences(chunk, batch_size=batch_size, precision=self._precision)
+                yield from self._runtime.embed(chunk, max_rows=batch_size)
 
     def embed_file(
         self,

@@ -21,6 +21,7 @@ from elmo_core.bilm.inference import LstmState, StateCarry
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.scalar_mix import ScalarMix
 from elmo_core.errors import ConfigError
+from elmo_core.runtime import Runtime
 from elmo_core.text.chars import batch_to_ids
 
 __all__ = ["Elmo", "ScalarMix", "_ElmoBiLm", "batch_to_ids", "remove_sentence_boundaries"]
@@ -83,16 +84,25 @@ class _ElmoBiLm(nn.Module):
         stateful: bool = False,
         precision: str = "fp32",
         bilm: BiLM | None = None,
+        device: str = "cpu",
     ) -> None:
         super().__init__()
-        self._bilm = bilm if bilm is not None else BiLM.from_pretrained(str(options_file), weight_file)
+        if bilm is None:  # the model opened as every command opens one: the runtime resolves, places, prepares
+            self._runtime: Runtime | None = Runtime.open(
+                str(options_file), weight_file=weight_file, device=device, precision=precision
+            )
+            bilm = self._runtime.bilm
+        else:
+            self._runtime = None
+        self._bilm = bilm
         if not self._bilm.config.lstm.use_skip_connections:
             raise ConfigError(f"{options_file}: AllenNLP's ELMo supports only biLMs with residual connections")
         self._bilm.softmax = None  # AllenNLP's biLM has no softmax; neither do its state dicts
         for parameter in self._bilm.parameters():
             parameter.requires_grad_(requires_grad)
         self.num_layers = self._bilm.num_layers
-        self._precision, self._stateful = precision, stateful
+        self._precision = self._runtime.precision if self._runtime is not None else precision
+        self._stateful = stateful
         self._carry = AllenNLPStateCarry()
         self._word_embedding: nn.Embedding | None = None
         if vocab_to_cache:

@@ -8,7 +8,6 @@
     model       char CNN → highway → projection → clipped LSTMs with residual → biLM; what runs each call
     scalar_mix  ELMo's task mix of the layers (AllenNLP's ScalarMix), learned or fixed
     initialization  a fresh biLM's weights as bilm-tf initializes them for training
-    info        what this machine runs and what a model is (``elmo info``)
     softmax     TF's sampled softmax (log-uniform sampler) and the full softmax
 
 Nothing here reads DuckDB, pyarrow, Prefect or MLflow: ``from elmo_core import BiLM`` loads torch and this package.

@@ -2,11 +2,13 @@
 
 * ``length_batches`` / ``consecutive_batches``: which sentences share a forward pass: sorted by length (each
   sentence from zero state), or in the given order (the stateful protocol, where row r continues row r).
-* ``TokenCache``: layer 0 (char CNN, highway, projection) computed once per distinct word of a chunk of work;
-  sentences then enter the model as (B, T) ids into the cache's table.
+* ``TokenCache``: layer 0 (char CNN, highway, projection) of a chunk of work's distinct words, as a table;
+  sentences then enter the model as (B, T) ids into it.
+* ``WordCache``: layer 0 of the words a process has seen, kept across calls (a word's layer 0 depends on the word
+  alone), least recently used dropped first: a chunk then pays the char CNN only for words it has not seen.
 * ``StateCarry``: bilm-tf's and AllenNLP's stateful protocol over explicit state: row r's final LSTM state
   starts row r of the next call; rows beyond a smaller batch keep theirs, new rows start from zero.
-* ``token_rows``: the one loop: per chunk a token cache, then each batch's token rows.
+* ``token_rows``: the one loop: per chunk a token table from the word cache, then each batch's token rows.
 * ``embed_sentences``: one (L+1, n_tokens, 2P) array per sentence.
 
 The biLM is passed in (a ``model.BiLM``, as ``Embeds`` says what of it is used); this module sits below the model
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -46,7 +49,8 @@ class Embeds(Protocol):
 
 
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
-CACHE_TOKENS = 65_536  # tokens whose distinct words share one token cache
+CACHE_TOKENS = 65_536  # tokens whose distinct words share one token table
+WORD_CACHE_BYTES = 64 << 20  # layer-0 vectors a process keeps: 131k words of the small shape, 32k of the original
 STATEFUL_BATCH_SIZE = 64  # rows per call of the stateful protocol, as AllenNLP's ElmoEmbedder
 
 
@@ -97,10 +101,6 @@ class TokenCache:
         self.table = torch.cat([embeddings.new_zeros(1, embeddings.shape[1]), embeddings])
         self.index = {word: i + 1 for i, word in enumerate(self.words)}
 
-    @classmethod
-    def of_sentences(cls, bilm: Embeds, sentences: Sequence[Sequence[str]]) -> TokenCache:
-        return cls(bilm, sorted({token for sentence in sentences for token in sentence}))
-
     def ids(self, sentences: Sequence[Sequence[str]]) -> Tensor:
         """(B, T) ids (cache row, 0 = padding) of sentences whose words are all in the cache."""
         longest = max((len(s) for s in sentences), default=0)
@@ -112,6 +112,36 @@ class TokenCache:
             except KeyError as exc:
                 raise KeyError(f"token {exc.args[0]!r} (sentence {b}) is not in the token cache") from None
         return torch.from_numpy(ids)
+
+
+class WordCache:
+    """Layer 0 of the words a process has seen, least recently used dropped first past ``max_bytes`` (but never a
+    word the current chunk needs). ``missed``: how many words the last ``table`` computed."""
+
+    def __init__(self, bilm: Embeds, max_bytes: int = WORD_CACHE_BYTES) -> None:
+        self.bilm, self.max_bytes = bilm, max_bytes
+        self.rows: OrderedDict[str, Tensor] = OrderedDict()
+        self.missed = 0
+
+    @property
+    def capacity(self) -> int:
+        """How many words fit ``max_bytes``, by the size of a row as computed (float32 or bfloat16)."""
+        row = next(iter(self.rows.values()), None)
+        return self.max_bytes // max(1, row.numel() * row.element_size()) if row is not None else self.max_bytes
+
+    def table(self, words: Sequence[str]) -> TokenCache:
+        """A token cache of ``words`` (distinct), computing only the ones not kept."""
+        rows = self.rows
+        missing = [w for w in words if w not in rows]
+        self.missed = len(missing)
+        if missing:
+            for word, row in zip(missing, self.bilm.token_embeddings(missing)):
+                rows[word] = row
+        for word in words:
+            rows.move_to_end(word)
+        while len(rows) > max(self.capacity, len(words)):
+            rows.popitem(last=False)
+        return TokenCache(self.bilm, words, torch.stack([rows[w] for w in words]) if words else None)
 
 
 class StateCarry:
@@ -148,13 +178,19 @@ class StateCarry:
 
 @torch.no_grad()
 def token_rows(
-    bilm: Embeds, sentences: Sequence[Sequence[str]], batches: list[list[int]], carry: StateCarry | None = None
+    bilm: Embeds,
+    sentences: Sequence[Sequence[str]],
+    batches: list[list[int]],
+    carry: StateCarry | None = None,
+    words: WordCache | None = None,
 ) -> Iterator[tuple[list[int], list[Tensor], Tensor]]:
     """Per batch (in order): its sentence indices, its L+1 layers as token rows (N, 2P) (the tokens of its first
     sentence, then the next, …) and each sentence's token count. Runs whatever the model was prepared with; the
-    distinct words of each ``CACHE_TOKENS`` of work go through layer 0 once."""
+    distinct words of each ``CACHE_TOKENS`` of work go through layer 0 once, or not at all where ``words`` (a
+    process's word cache) holds them."""
+    words = words if words is not None else WordCache(bilm)
     for chunk in _chunks(batches, sentences):
-        cache = TokenCache.of_sentences(bilm, [sentences[i] for batch in chunk for i in batch])
+        cache = words.table(sorted({token for batch in chunk for i in batch for token in sentences[i]}))
         table = cache.table.to(bilm.device)
         for batch in chunk:
             ids = cache.ids([sentences[i] for i in batch]).to(bilm.device, non_blocking=True)
@@ -189,20 +225,33 @@ def embed_sentences(
         log.warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
     if stateful and carry is None:
         carry = StateCarry()
-    lengths = [len(s) for s in sentences]
-    if carry is not None:
-        batches = consecutive_batches(lengths, max_rows=batch_size or STATEFUL_BATCH_SIZE)
-    else:
-        batches = length_batches(lengths, max_batch_tokens, batch_size)
+    in_order = carry is not None
+    rows = batch_size or (STATEFUL_BATCH_SIZE if in_order else None)
+    batches = plan_batches([len(s) for s in sentences], max_batch_tokens, rows, in_order)
     results: list[np.ndarray | None] = [None] * len(sentences)
     with bilm.prepared(precision):
         for batch, layers, counts in token_rows(bilm, sentences, batches, carry):
             stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
-            start = 0
-            for i, n in zip(batch, counts.tolist()):
-                results[i] = np.ascontiguousarray(stacked[:, start : start + n])
-                start += n
+            for i, rows in zip(batch, sentence_slices(counts)):
+                results[i] = np.ascontiguousarray(stacked[:, rows])
     return results  # type: ignore[return-value]
+
+
+def plan_batches(
+    lengths: Sequence[int], max_tokens: int, max_rows: int | None = None, in_order: bool = False
+) -> list[list[int]]:
+    """Which sentences share a forward pass: sorted by length under ``max_tokens`` padded tokens and ``max_rows``
+    rows (each sentence from zero state), or ``in_order`` (the stateful protocol, where row r continues row r):
+    ``max_rows`` rows a pass where given, else ``max_tokens`` padded tokens."""
+    if in_order:
+        return consecutive_batches(lengths, max_tokens=None if max_rows else max_tokens, max_rows=max_rows)
+    return length_batches(lengths, max_tokens, max_rows)
+
+
+def sentence_slices(counts: Tensor) -> list[slice]:
+    """Each sentence's token rows in a batch's (N, ·) rows, from its token ``counts`` (B,)."""
+    ends = np.cumsum(counts.tolist())
+    return [slice(int(end - n), int(end)) for end, n in zip(ends, counts.tolist())]
 
 
 def _chunks(batches: list[list[int]], sentences: Sequence[Sequence[str]]) -> list[list[list[int]]]:

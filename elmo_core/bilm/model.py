@@ -45,7 +45,6 @@ from elmo_core.bilm.packing import Packing, TokenBatch, with_boundaries
 from elmo_core.bilm.weights import forget_gate_bias, read_model_files, write_model_files
 from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
 from elmo_core.errors import WeightFileError
-from elmo_core.precision import resolve_precision
 from elmo_core.text.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
 
 Clips = tuple[float | None, float | None]  # (cell_clip, proj_clip)
@@ -360,12 +359,11 @@ class KernelChoice:
     @contextlib.contextmanager
     def prepared(self, device: torch.device, precision: str) -> Iterator[Kernels]:
         previous = self.kernels
-        wanted = resolve_precision(precision, device)
-        try:
-            if previous is not None and previous.precision == wanted and previous.runs_on(device):
+        try:  # a name compares equal to its resolved ``Precision``; ``choose`` resolves it where it is new
+            if previous is not None and previous.precision == precision and previous.runs_on(device):
                 yield previous
             else:
-                yield self.prepare(device, wanted)
+                yield self.prepare(device, precision)
         finally:
             self.kernels = previous
 

@@ -167,9 +167,9 @@ def perplexity(config: PerplexityConfig) -> dict[str, float]:
     ids made against the model's own vocab, in a temporary folder)."""
     from elmo_core.data.vocab import write_token_ids
     from elmo_core.ingest import shard_paths
-    from elmo_core.tracking import resolve_model_dir
+    from elmo_core.runtime import Runtime
 
-    bilm = BiLM.from_pretrained(str(resolve_model_dir(config.model)), device=config.device)
+    bilm = Runtime.open(config.model, device=config.device).bilm  # the softmax comes along (the runtime keeps it)
     if bilm.softmax is None or bilm.vocab is None:
         raise ConfigError(
             f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt"
@@ -185,7 +185,9 @@ def perplexity(config: PerplexityConfig) -> dict[str, float]:
 def evaluate_export(model_dir: str, data: str, tracker: object | None = None) -> dict[str, dict[str, float]]:
     """The exported model's full-softmax perplexity on heldout and test, logged into the training's run as
     ``heldout/…`` and ``test/…`` where a tracker is given (the pipeline's evaluate stage)."""
-    scores = evaluate_splits(BiLM.from_pretrained(model_dir), data)
+    from elmo_core.runtime import Runtime
+
+    scores = evaluate_splits(Runtime.open(model_dir, device="cpu").bilm, data)
     if tracker is not None and scores:
         metrics = {f"{split}/{k}": v for split, r in scores.items() for k, v in r.items()}
         tracker.log_metrics(metrics, step=0)  # type: ignore[attr-defined]

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elmo_core import cpu
 from elmo_core.bilm.initialization import init_bilm_tf, init_softmax
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
@@ -50,16 +49,16 @@ from elmo_core.errors import (
 )
 from elmo_core.fileio import FolderLock, write_text_atomic
 from elmo_core.options import TrainConfig
-from elmo_core.precision import autocast, pick_device, resolve_precision
+from elmo_core.precision import autocast
 from elmo_core.progress import TokenRate, track
 from elmo_core.ranks import Rank, this_process
+from elmo_core.runtime import place, resolve_model, take_threads
 from elmo_core.tracking import (
     MLflowTracker,
     NodeSystemMetrics,
     NullTracker,
     Tracker,
     check_reachable,
-    resolve_model_dir,
 )
 from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.checkpoint import (
@@ -96,8 +95,9 @@ def _build_model(config: TrainConfig, vocab: list[str], counts: np.ndarray) -> B
         bilm = BiLM(config.architecture(len(vocab)), vocab=vocab)
         init_bilm_tf(bilm, unigram)
         return bilm
-    model_dir = resolve_model_dir(config.init_from)
-    bilm = BiLM.from_pretrained(str(model_dir))
+    model = resolve_model(config.init_from)  # the runtime's resolver: folders, published files, models:/ URIs
+    model_dir = model.directory
+    bilm = BiLM.from_pretrained(str(model.options), str(model.weights), vocab_file=str(model.vocab or "") or None)
     if bilm.vocab is not None and bilm.vocab != vocab:
         raise ConfigError(
             f"{model_dir}/vocab.txt differs from {config.data}/vocab.txt; build the data with "
@@ -167,11 +167,11 @@ def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
 
 def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
     """This process's device and place among the ranks (its GPU under torchrun, its share of the cores on a CPU)."""
-    device = pick_device(config.device)
+    device = place(config.device, "fp32").torch_device
     ddp = init_distributed(device)
-    share = cpu.apply_thread_share()  # a launched CPU rank: its share of the machine's cores (launch.py)
-    if share and ddp.main:
-        log.info("%s (each of the %d ranks on this machine has as many)", share, ddp.world // ddp.nodes)
+    threads, why = take_threads()  # a launched CPU rank: its share of the machine's cores (launch.py)
+    if ddp.main:
+        log.info("torch threads: %d (%s; %d ranks on this machine)", threads, why, ddp.world // ddp.nodes)
     if device.type == "cuda" and device.index is None:  # a bare "cuda" under torchrun: this process's GPU
         device = torch.device("cuda", ddp.local_rank)
     if device.type == "cuda":
@@ -200,7 +200,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     )
     bilm = _build_model(config, vocab, counts).to(device)
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
-    precision = resolve_precision(config.precision, device)  # decided once, for the run
+    precision = place(device, config.precision).precision  # decided once, for the run
     objective = LMObjective(bilm, config.dropout, sparse=False).train()
     config, softmax_why = settle_softmax(config, objective, len(vocab), precision, out, ddp, _make_optimizer)
     objective.sparse = sparse = sparse_softmax(config, len(vocab), ddp)

@@ -16,16 +16,18 @@ from mlflow.models import set_model
 
 class ElmoPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
-        from elmo_core import BiLM
+        from elmo_core.runtime import Runtime
 
-        self.bilm = BiLM.from_pretrained(context.artifacts["elmo"])
+        self.runtime = Runtime.open(context.artifacts["elmo"])  # as every command runs a model (fp32, exact)
 
     def predict(self, context, model_input, params=None):
+        from elmo_core.runtime import Output
+
         rows = model_input["sentence"].tolist() if hasattr(model_input, "columns") else list(model_input)
         sentences = [r.split() if isinstance(r, str) else list(r) for r in rows]
         pooled = bool((params or {}).get("pooled", False))
-        mixed = [v.mean(axis=0) for v in self.bilm.embed_sentences(sentences)]
-        return [m.mean(axis=0).tolist() if pooled else m.tolist() for m in mixed]
+        output = Output.of("mix", "mean" if pooled else "none")  # the plain average of the layers
+        return [v.tolist() for v in self.runtime.embed(sentences, output)]
 
 
 set_model(ElmoPyfunc())

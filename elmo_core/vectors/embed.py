@@ -22,7 +22,6 @@ sentence (``doc_id, sentence_id, n_tokens, text``, the vectors averaged over tok
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -41,18 +40,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from elmo_core import cpu
-from elmo_core.bilm.inference import StateCarry, consecutive_batches, length_batches, token_rows
-from elmo_core.bilm.model import BiLM
-from elmo_core.bilm.scalar_mix import fixed_mix
-from elmo_core.bilm.weights import OPTIONS_NAME, resolve_model_files
+from elmo_core.bilm.inference import StateCarry
 from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
 from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
 from elmo_core.options import EmbedConfig, IndexConfig, IngestConfig
-from elmo_core.precision import Precision, onednn_verbose, pick_device, resolve_precision
+from elmo_core.precision import onednn_verbose
+from elmo_core.runtime import ModelRef, Output, Placement, Runtime, place, resolve_model
 from elmo_core.stage import run_local
-from elmo_core.tracking import is_model_uri, resolve_model_dir
 from elmo_core.vectors.ann import IndexStage, IndexSummary
 
 __all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]
@@ -96,14 +91,13 @@ class UnitResult:
 
 @dataclass
 class Job:
-    """A planned embedding job (the stage's plan): the model, the precision it runs in (resolved once, here), the
-    units, and where they are written (OUT, or the next table)."""
+    """A planned embedding job (the stage's plan): the model, where and in what precision it runs (resolved once,
+    here, by the runtime's ``place``), the units, and where they are written (OUT, or the next table)."""
 
     config: EmbedConfig
-    device: str
-    precision: Precision
-    model_dir: Path
-    model_id: str  # ``model_id(model_dir)``: hashed once here, not again by every worker
+    placement: Placement
+    model: ModelRef
+    model_id: str  # ``model.model_id``: hashed once here, not again by every worker
     units: list[Unit]
     target: Path
     out: Path
@@ -124,17 +118,6 @@ def job_lock(config: EmbedConfig) -> FolderLock:
     a second job on the folder is refused at once, naming the holder (or waits, with ``wait``)."""
     out = Path(config.out)
     return FolderLock(work_dir(out) / LOCK_NAME, out, wait=config.wait)
-
-
-def model_id(model_dir: Path) -> str:
-    """A short content hash of options.json + weights.hdf5: which model made a vector."""
-    options, weights, _ = resolve_model_files(model_dir)
-    digest = hashlib.sha256()
-    for path in (options, weights):
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 # ----- the input -------------------------------------------------------------------------------------------
@@ -308,13 +291,10 @@ def prepare(config: EmbedConfig) -> Job:
     work = work_dir(out)
     made_work = not work.exists() or sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
     try:
-        device = pick_device(config.device)
-        precision = resolve_precision(config.precision, device)  # refused here, before the folder is written
-        model_dir = resolve_model_dir(config.model, work / "model" if is_model_uri(config.model) else None)
-        if not (model_dir / OPTIONS_NAME).exists():
-            raise InputError(f"{model_dir}: no {OPTIONS_NAME}; --model takes a model directory or an MLflow model URI")
+        placement = place(config.device, config.precision)  # refused here, before the folder is written
+        model = resolve_model(config.model)  # a registered model: from the machine's download cache
         known = {
-            "model_id": model_id(model_dir),
+            "model_id": model.model_id,
             "source": str(Path(config.input).resolve()),
             "options": config.identity(exclude=frozenset({"model", "input", "out"})),
         }
@@ -342,7 +322,7 @@ def prepare(config: EmbedConfig) -> Job:
         stale.unlink(missing_ok=True)
     if work.is_dir() and not any(work.iterdir()):
         work.rmdir()
-    return Job(config, str(device), precision, model_dir, identity["model_id"], units, target, out, work)
+    return Job(config, placement, model, identity["model_id"], units, target, out, work)
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -366,20 +346,19 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
 
 
 class Embedder:
-    """Holds the loaded biLM and writes units. Create one per worker process."""
+    """Writes units with the job's model, opened once in this process by the runtime. Create one per worker."""
 
     def __init__(self, job: Job, show_kernels: bool = False) -> None:
         config = job.config
         self.config, self.model_id, self.show_kernels = config, job.model_id, show_kernels
-        device = torch.device(job.device)
-        self.bilm = BiLM.from_pretrained(str(job.model_dir), device=device, precision=job.precision)
+        self.runtime = Runtime.open(job.model, placement=job.placement, max_batch_tokens=config.max_batch_tokens)
         if show_kernels:
-            log.info("%s; oneDNN's log of the first batch follows", self.bilm.kernels)
-        n = self.bilm.num_layers
-        mix = fixed_mix(n, config.mix_weights, config.gamma)
-        self.mix = mix.weights().detach().to(device)
-        self.schema = output_schema(n, self.bilm.output_dim, config)
-        self.names = [f"layer_{i}" for i in range(n)] if config.layers == "all" else ["elmo"]
+            log.info("%s; oneDNN's log of the first batch follows", self.runtime.bilm.kernels)
+        self.output = Output.of(config.layers, config.pool, config.mix_weights, config.gamma, config.dtype)
+        n = self.runtime.num_layers
+        self.factors = self.output.factors(n) if config.layers == "mix" else None
+        self.schema = output_schema(n, self.runtime.output_dim, config)
+        self.names = self.output.columns(n)
 
     def embed_unit(self, unit: Unit, out: Path) -> UnitResult:
         target = out / unit.name
@@ -411,38 +390,23 @@ class Embedder:
             unit.name, rows, sum(len(s) for s in sentences), seconds, False, os.getpid(), torch.get_num_threads()
         )
 
-    def _batches(self, sentences: list[list[str]]) -> list[list[int]]:
-        lengths = [len(s) for s in sentences]
-        if self.config.stateful:  # the given order, consecutive rows
-            return consecutive_batches(lengths, max_tokens=self.config.max_batch_tokens)
-        return length_batches(lengths, self.config.max_batch_tokens)
-
     def _tables(self, group: pa.Table, sentences: list[list[str]]) -> Iterator[pa.Table]:
-        """Every distinct word of the unit through the char CNN once, then length-sorted batches of token rows."""
+        """The unit's sentences through the runtime (length-sorted passes under its token budget, or in order when
+        stateful), each pass shaped by the job's output and written as a table."""
         carry = StateCarry() if self.config.stateful else None
-        batches = token_rows(self.bilm, sentences, self._batches(sentences), carry)
+        batches = self.runtime.run(sentences, carry=carry)
         with onednn_verbose(self.show_kernels):  # one batch is enough to see the kernels
             first = next(batches, None)
         self.show_kernels = False
-        for batch, layers, counts in itertools.chain([first] if first is not None else [], batches):
-            stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P)
-            vectors = (
-                stacked if self.config.layers == "all" else (self.mix[:, None, None] * stacked).sum(0, keepdim=True)
-            )
+        for batch, stacked, counts in itertools.chain([first] if first is not None else [], batches):
+            vectors = self.output.apply(stacked, counts, self.factors)
             yield self._table(group, np.asarray(batch), counts.cpu().numpy(), vectors)
 
     def _table(self, group: pa.Table, batch: np.ndarray, counts: np.ndarray, vectors: torch.Tensor) -> pa.Table:
-        dtype = np.float16 if self.config.dtype == "float16" else np.float32
+        """A pass's rows: (K, R, 2P) vectors, R tokens or (``pool: mean``) R sentences."""
         width = vectors.shape[-1]
         picked = pa.array(batch)
         if self.config.pool == "mean":
-            sentence = torch.repeat_interleave(
-                torch.arange(len(batch), device=vectors.device), torch.from_numpy(counts).to(vectors.device)
-            )
-            sums = vectors.new_zeros(vectors.shape[0], len(batch), width).index_add_(1, sentence, vectors)
-            values = (
-                (sums / torch.from_numpy(np.maximum(counts, 1)).to(sums)[None, :, None]).cpu().numpy().astype(dtype)
-            )
             data: dict[str, Any] = {
                 "doc_id": group.column("doc_id").take(picked),
                 "sentence_id": group.column("sentence_id").take(picked),
@@ -460,8 +424,8 @@ class Embedder:
                 "token": pc.list_flatten(group.column("tokens").take(picked)),
                 "text": group.column("text").take(rows),
             }
-            values = vectors.cpu().numpy().astype(dtype)
             n_rows = int(counts.sum())
+        values = vectors.cpu().numpy().astype(self.output.numpy_dtype())
         for name, layer in zip(self.names, values):
             data[name] = pa.FixedSizeListArray.from_arrays(pa.array(layer.reshape(-1)), width)
         data["model_id"] = pa.repeat(pa.scalar(self.model_id, pa.string()), n_rows)
@@ -558,11 +522,8 @@ class EmbedStage:
         return prepare(config)
 
     def run_unit(self, job: Job, unit: Unit, report: Callable[[int], None] | None = None) -> UnitResult:
-        key = (job.model_id, job.config.model_dump_json() + job.precision)
+        key = (job.model_id, job.config.model_dump_json() + job.placement.line())
         if key not in _LOADED:
-            share = cpu.apply_thread_share()  # a worker the project started: its share of the cores
-            if share:
-                log.info("%s", share)
             _LOADED.clear()
             _LOADED[key] = Embedder(job, self.show_kernels)
         return _LOADED[key].embed_unit(unit, job.target)

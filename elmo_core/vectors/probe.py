@@ -19,7 +19,8 @@ Data formats (what ``read_sense_examples`` and ``read_tagged`` read):
     a folder      WordNet 3.0's database files (``elmo_core.text.wordnet``)
     tags          CoNLL-U (the --column, UPOS by default) or one "token tag" per line; a blank line ends a sentence
 
-Vectors come from the embedding path (``BiLM.embed_sentences``: the token cache, length batches, bf16 if asked);
+Vectors come from the runtime, as the embedding stage's do (``Runtime.embed``: the word cache, length batches, the
+precision asked);
 each probe writes ``results.json`` and ``chart.png`` to its ``--out`` folder and, with MLflow, logs a run with
 fixed metric names (``wsd/acc/layer_0``, ``wsd/acc/mix``, ``tag/macro_f1/mix`` …).
 """
@@ -40,16 +41,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from elmo_core.bilm.model import BiLM
-from elmo_core.bilm.scalar_mix import ScalarMix, fixed_mix
+from elmo_core.bilm.scalar_mix import ScalarMix
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
-from elmo_core.precision import pick_device, resolve_precision
 from elmo_core.progress import track
+from elmo_core.runtime import Output, Runtime
 from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
-from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable, resolve_model_dir
+from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable
 
 log = logging.getLogger(__name__)
 
@@ -137,22 +137,19 @@ def read_tagged(path: str | Path, column: str = "upos") -> list[tuple[list[str],
 # ----- vectors ---------------------------------------------------------------------------------------------
 
 
-def load_model(model: str, device: str) -> tuple[BiLM, Path]:
-    model_dir = resolve_model_dir(model)
-    return BiLM.from_pretrained(str(model_dir), device=pick_device(device)), model_dir
+def load_model(config: WsdConfig | TagConfig) -> Runtime:
+    """The probe's model, opened by the runtime in the precision and on the device the probe asks for."""
+    return Runtime.open(config.model, device=config.device, precision=config.precision)
 
 
-def embed_all(
-    bilm: BiLM, sentences: Sequence[Sequence[str]], precision: str, keep: Callable[[int, np.ndarray], None]
-) -> float:
+def embed_all(runtime: Runtime, sentences: Sequence[Sequence[str]], keep: Callable[[int, np.ndarray], None]) -> float:
     """Embed ``sentences`` chunk by chunk, handing each sentence's (L+1, n, 2P) array to ``keep``; returns tokens/s."""
-    precision = resolve_precision(precision, bilm.device)
     tokens = sum(len(s) for s in sentences)
     started = time.perf_counter()
     with track("probe-embed", tokens, "tokens") as progress:
         for start in range(0, len(sentences), EMBED_CHUNK):
             chunk = sentences[start : start + EMBED_CHUNK]
-            for i, vectors in enumerate(bilm.embed_sentences(chunk, precision=precision), start):
+            for i, vectors in enumerate(runtime.embed(chunk), start):
                 keep(i, vectors)
             progress.advance(sum(len(s) for s in chunk))
     return tokens / max(time.perf_counter() - started, 1e-9)
@@ -160,8 +157,7 @@ def embed_all(
 
 def mix_weights(n_layers: int, weights: list[float] | None) -> np.ndarray:
     """The fixed scalar mix's factor per layer (softmax of ``--mix-weights``; equal without), as ``elmo embed``."""
-    mix = fixed_mix(n_layers, weights)
-    return mix.weights().detach().double().numpy()
+    return Output.of("mix", mix_weights=weights).factors(n_layers).double().numpy()
 
 
 # ----- word sense -------------------------------------------------------------------------------------------
@@ -238,13 +234,13 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
         check_reachable(config.tracking_uri)  # in seconds, before any work
     data = Path(config.data) if config.data else DEFAULT_DIR
     examples = read_sense_examples(data)
-    bilm, model_dir = load_model(config.model, config.device)
+    runtime = load_model(config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     sentences = sorted({e.tokens for e in examples})
     position = {s: i for i, s in enumerate(sentences)}
-    n_layers = bilm.num_layers
-    rows = np.zeros((n_layers, len(examples), bilm.output_dim), dtype=np.float32)
+    n_layers = runtime.num_layers
+    rows = np.zeros((n_layers, len(examples), runtime.output_dim), dtype=np.float32)
     wanted: dict[int, list[int]] = {}
     for j, e in enumerate(examples):
         wanted.setdefault(position[e.tokens], []).append(j)
@@ -253,7 +249,7 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
         for j in wanted[i]:
             rows[:, j] = vectors[:, examples[j].index]
 
-    tokens_per_s = embed_all(bilm, [list(s) for s in sentences], config.precision, keep)
+    tokens_per_s = embed_all(runtime, [list(s) for s in sentences], keep)
     weights = mix_weights(n_layers, config.mix_weights)
     vectors = {f"layer_{k}": rows[k] for k in range(n_layers)}
     vectors["mix"] = np.tensordot(weights, rows, axes=1).astype(np.float32)
@@ -261,7 +257,7 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
         "kind": "wsd",
         "model": config.model,
         "data": str(data),
-        "precision": config.precision,
+        "precision": str(runtime.precision),
         "mix_weights": weights.tolist(),
         "tokens_per_s": tokens_per_s,
         **wsd_scores(examples, vectors),
@@ -278,7 +274,7 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
     }
     metrics |= {f"wsd/acc/{n}": v for n, v in results["accuracy"].items()}
     metrics |= {f"wsd/acc_answerable/{n}": v for n, v in results["accuracy_answerable"].items()}
-    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=model_dir)
+    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=runtime.model.directory)
     return results
 
 
@@ -369,7 +365,7 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
     tagset = sorted({tag for _, tags in data["train"] for tag in tags})
     unknown = len(tagset)  # tags never seen in training can only be guessed wrong
     tag_id = {tag: i for i, tag in enumerate(tagset)}
-    bilm, model_dir = load_model(config.model, config.device)
+    runtime = load_model(config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     features, labels, speeds = {}, {}, []
@@ -379,10 +375,10 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
         def keep(i: int, vectors: np.ndarray, arrays: list[np.ndarray] = arrays) -> None:
             arrays[i] = vectors.astype(np.float16)  # halves the memory of the frozen features
 
-        speeds.append(embed_all(bilm, [tokens for tokens, _ in sentences], config.precision, keep))
+        speeds.append(embed_all(runtime, [tokens for tokens, _ in sentences], keep))
         features[split] = torch.from_numpy(np.concatenate(arrays, axis=1))
         labels[split] = torch.tensor([tag_id.get(t, unknown) for _, tags in sentences for t in tags])
-    n_layers = bilm.num_layers
+    n_layers = runtime.num_layers
     configurations = {f"layer_{k}": k for k in range(n_layers)} | {"mix": None}
     evaluated = [s for s in data if s != "train"]
     scores: dict[str, dict[str, dict[str, float]]] = {s: {"accuracy": {}, "macro_f1": {}} for s in evaluated}
@@ -404,14 +400,16 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
         "model": config.model,
         "column": config.column,
         "tags": tagset,
-        "precision": config.precision,
+        "precision": str(runtime.precision),
         "train_tokens": int(labels["train"].numel()),
         "tokens_per_s": float(np.mean(speeds)),
         "epoch_chosen": chosen,
         "learned_mix": learned_mix,
         **scores,
     }
-    _finish(config, out, results, metrics=_tag_metrics(results, scores), tracker=tracker, model_dir=model_dir)
+    _finish(
+        config, out, results, metrics=_tag_metrics(results, scores), tracker=tracker, model_dir=runtime.model.directory
+    )
     return results
 
 
@@ -538,15 +536,15 @@ def _finish(
 # ----- the demo: one look at polysemy -----------------------------------------------------------------------
 
 
-def polysemy_table(bilm: BiLM, sentences: list[list[str]]) -> list[str]:
+def polysemy_table(runtime: Runtime, sentences: list[list[str]]) -> list[str]:
     """``elmo demo``: embed ``sentences``, then the top layer's cosine between every use of apple / 苹果 as a table
     (the fruit's uses near each other, the company's apart). Returns the lines to print."""
     started = time.perf_counter()
-    vectors = bilm.embed_sentences(sentences)
+    vectors = runtime.embed(sentences)
     elapsed = time.perf_counter() - started
     n_tokens = sum(len(s) for s in sentences)
     lines = [
-        f"layers       {bilm.num_layers} x {bilm.output_dim}",
+        f"layers       {runtime.num_layers} x {runtime.output_dim}",
         f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s "
         f"({n_tokens / elapsed:,.0f} tokens/s)",
     ]

@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from elmo_core import cpu
 from elmo_core.bilm.kernels import choice, fused_gates, int8, packed
 from elmo_core.bilm.model import BiLM
 from elmo_core.config import preset
-from elmo_core.precision import resolve_precision
+from elmo_core.runtime.placement import place
 
 
 def machine_report() -> list[str]:
     """The CPU as the project sees it, what torch dispatches to, the precisions offered, oneDNN's packing per dtype,
     int8 and the C kernels."""
-    auto = resolve_precision("auto", "cpu")
+    auto = place("cpu", "auto").precision
     offered = choice.offered_precisions("cpu")
     refused = "" if "bf16" in offered else " (bf16 refused here: no bfloat16 instructions, so it would be emulated)"
     lines = [cpu.describe(), f"precisions on the CPU: {', '.join(offered)}; auto is {auto} ({auto.why}){refused}"]
@@ -32,13 +30,12 @@ def machine_report() -> list[str]:
 
 def original_shape_kernels() -> str:
     """What would run the original shape here in ``auto`` precision (``elmo info`` without a model)."""
-    return str(choice.choose(torch.device("cpu"), resolve_precision("auto", "cpu"), preset("original").lstm))
+    return str(choice.choose(torch.device("cpu"), place("cpu", "auto").precision, preset("original").lstm))
 
 
-def model_report(model_dir: Path, name: str) -> list[str]:
+def model_report(bilm: BiLM, name: str) -> list[str]:
     """A model's shape, parameters (the forget gate's +1 is a buffer, the softmax left out), vocabulary, and the
     kernels each offered precision runs it with."""
-    bilm = BiLM.from_pretrained(str(model_dir))
     cfg = bilm.config
     n_params = sum(p.numel() for n, p in bilm.named_parameters() if not n.startswith("softmax"))
     lines = [

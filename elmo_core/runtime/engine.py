@@ -1,0 +1,175 @@
+"""``Runtime``: a model opened once in this process, and the one way it runs here.
+
+    runtime = Runtime.open("models:/elmo/latest", device="auto", precision="auto")
+    print(runtime.line())          # what was resolved: the model, device, precision and why, threads, kernels
+    runtime.embed(sentences, Output(layers="mix", pool="mean"))   # one array per sentence
+
+Opening it resolves the model reference (``reference``: folders, published files, MLflow URIs through one download
+cache), the device and precision (``placement.place``, or a plan's ``Placement`` as it is), this process's
+threads (``placement.take_threads``), and the kernels (``BiLM.prepare``, chosen once). It keeps what a process
+reuses: the loaded weights and the layer-0 word cache. ``run`` packs sentences into forward passes under its
+token budget (``inference.plan_batches``) and yields each batch's layers; ``embed`` shapes them as an ``Output``
+asks. The embedding stage, each server model process, the probes, evaluation, the MLflow pyfunc model and the
+AllenNLP drop-in all run a model through this class, so a sentence's vectors are the same whichever asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from elmo_core import cpu
+from elmo_core.bilm.inference import (
+    MAX_BATCH_TOKENS,
+    WORD_CACHE_BYTES,
+    StateCarry,
+    WordCache,
+    plan_batches,
+    sentence_slices,
+    token_rows,
+)
+from elmo_core.bilm.model import BiLM
+from elmo_core.runtime.output import ALL_LAYERS, Output
+from elmo_core.runtime.placement import Placement, place, take_threads
+from elmo_core.runtime.reference import ModelRef, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """A biLM loaded, placed and prepared in this process (``open``), with its word cache and token budget."""
+
+    def __init__(
+        self,
+        model: ModelRef,
+        bilm: BiLM,
+        placement: Placement,
+        threads: tuple[int, str],
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        word_cache_bytes: int = WORD_CACHE_BYTES,
+    ) -> None:
+        self.model, self.bilm, self.placement = model, bilm, placement
+        self.threads, self.threads_why = threads
+        self.max_batch_tokens = max_batch_tokens
+        self.words = WordCache(bilm, word_cache_bytes)
+
+    @classmethod
+    def open(
+        cls,
+        model: str | ModelRef,
+        *,
+        weight_file: str | None = None,
+        placement: Placement | None = None,
+        device: str = "auto",
+        precision: str = "fp32",
+        threads: int | None = None,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        word_cache_bytes: int = WORD_CACHE_BYTES,
+    ) -> Runtime:
+        """Resolve, place and load ``model``; ``placement`` (a plan's) is taken as it is, else ``device`` and
+        ``precision`` are resolved here. Logs ``line()``, the line every command that runs a model prints."""
+        ref = model if isinstance(model, ModelRef) else resolve_model(model, weight_file)
+        placement = placement if placement is not None else place(device, precision)
+        taken = take_threads(threads)
+        bilm = BiLM.from_pretrained(
+            str(ref.options),
+            str(ref.weights),
+            device=placement.device,
+            vocab_file=str(ref.vocab) if ref.vocab else None,
+            precision=placement.precision,
+        )
+        runtime = cls(ref, bilm, placement, taken, max_batch_tokens, word_cache_bytes)
+        log.info("%s", runtime.line())
+        return runtime
+
+    # --- what was decided ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.bilm.device
+
+    @property
+    def precision(self) -> str:
+        return self.placement.precision
+
+    @property
+    def num_layers(self) -> int:
+        return self.bilm.num_layers
+
+    @property
+    def output_dim(self) -> int:
+        return self.bilm.output_dim
+
+    def shape(self) -> str:
+        lstm, cnn = self.bilm.config.lstm, self.bilm.config.char_cnn
+        return f"{lstm.n_layers}x{lstm.dim}_{lstm.projection_dim}, {cnn.n_filters} filters, {cnn.n_highway} highway"
+
+    def line(self) -> str:
+        """One line of everything resolved: the same in ``elmo info MODEL`` and every command that runs a model."""
+        return (
+            f"{self.model.line()}: {self.shape()}; on {self.placement.line()}; {self.threads} threads "
+            f"({self.threads_why}); kernels: {self.bilm.kernels}"
+        )
+
+    def facts(self) -> dict[str, Any]:
+        """The same decisions as fields (the server's ``/info``, a run's parameters)."""
+        return {
+            "model": self.model.asked,
+            "model_id": self.model.model_id,
+            "origin": self.model.origin,
+            "device": str(self.device),
+            "precision": str(self.precision),
+            "precision_why": self.placement.precision.why,
+            "threads": self.threads,
+            "kernels": str(self.bilm.kernels),
+            "layers": self.num_layers,
+            "dim": self.output_dim,
+            "max_batch_tokens": self.max_batch_tokens,
+            "cpu": cpu.describe(),
+        }
+
+    # --- running sentences -----------------------------------------------------------------------------
+    def batches(self, lengths: Sequence[int], in_order: bool = False, max_rows: int | None = None) -> list[list[int]]:
+        """Which sentences share a forward pass under this runtime's token budget (``inference.plan_batches``)."""
+        return plan_batches(lengths, self.max_batch_tokens, max_rows, in_order)
+
+    def run(
+        self,
+        sentences: Sequence[Sequence[str]],
+        batches: list[list[int]] | None = None,
+        carry: StateCarry | None = None,
+    ) -> Iterator[tuple[list[int], Tensor, Tensor]]:
+        """Per forward pass: its sentence indices, its layers (L+1, N, 2P) as token rows (each sentence's tokens
+        after the one before) and each sentence's token count. ``batches`` default to ``batches()`` of the
+        sentences (stateful where a ``carry`` is given)."""
+        if batches is None:
+            batches = self.batches([len(s) for s in sentences], in_order=carry is not None)
+        if self.bilm.kernels is None or not self.bilm.kernels.runs_on(self.device):  # moved with .to(): again
+            self.bilm.prepare(self.precision)
+        for batch, layers, counts in token_rows(self.bilm, sentences, batches, carry, self.words):
+            yield batch, torch.stack(layers), counts
+
+    def embed(
+        self,
+        sentences: Sequence[Sequence[str]],
+        output: Output = ALL_LAYERS,
+        *,
+        max_rows: int | None = None,
+        carry: StateCarry | None = None,
+    ) -> list[np.ndarray]:
+        """One array per sentence, shaped as ``output`` asks: (L+1, n, 2P) every layer, (n, 2P) a mix; pooled,
+        (L+1, 2P) or (2P,). Empty sentences give (·, 0, 2P) (their mean: zeros)."""
+        batches = self.batches([len(s) for s in sentences], in_order=carry is not None, max_rows=max_rows)
+        factors = output.factors(self.num_layers) if output.layers == "mix" else None
+        dtype = output.numpy_dtype()
+        results: list[np.ndarray | None] = [None] * len(sentences)
+        for batch, stacked, counts in self.run(sentences, batches, carry):
+            shaped = output.apply(stacked, counts, factors).cpu().numpy().astype(dtype, copy=False)
+            rows = sentence_slices(counts) if output.pool == "none" else [slice(r, r + 1) for r in range(len(batch))]
+            for i, where in zip(batch, rows):
+                results[i] = np.ascontiguousarray(output.of_sentence(shaped[:, where]))
+        return results  # type: ignore[return-value]

@@ -1,0 +1,55 @@
+"""Where and how a model computes in this process: the device, the precision (with its reason) and the threads.
+
+``place`` decides the device and the precision once, from what was asked (``auto`` included); a plan calls it in
+the process that plans, so a refusal (bf16 emulated on this CPU, int8 on a GPU) comes before any work, and the
+resolved ``Placement`` travels with the plan (pickled whole) to every process that runs a unit. ``take_threads``
+is decided where the model runs: a process the project started (an embedding worker, a server's model process, a
+CPU rank of a launched training) takes its share of the cores from the environment its starter gave it
+(``cpu.worker_env``); a process on its own keeps torch's default unless told a number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elmo_core import cpu
+from elmo_core.precision import PRECISIONS, Precision, pick_device, resolve_precision
+
+INFERENCE_PRECISIONS = PRECISIONS  # auto, fp32, bf16, int8: the same values, the same meaning, in every command
+TRAINING_PRECISIONS = ("auto", "fp32", "bf16")  # int8 runs inference only
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A device and the precision resolved for it (``precision.why`` says why)."""
+
+    device: str
+    precision: Precision
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def line(self) -> str:
+        return f"{self.device}, {self.precision} ({self.precision.why})"
+
+
+def place(device: str | torch.device = "auto", precision: str = "fp32") -> Placement:
+    """The device (``auto``: CUDA where there is a GPU) and the precision resolved for it, refused in one line
+    where it cannot run usefully (``precision.resolve_precision``)."""
+    chosen = pick_device(str(device))
+    return Placement(str(chosen), resolve_precision(precision, chosen))
+
+
+def take_threads(asked: int | None = None) -> tuple[int, str]:
+    """Set this process's torch threads: ``asked``, else the share of the cores its starter gave it, else torch's
+    default. Returns (threads, why) for the run's line."""
+    if asked:
+        torch.set_num_threads(asked)
+        return asked, "asked for"
+    share = cpu.apply_thread_share()
+    if share:
+        return torch.get_num_threads(), f"this process's share of {cpu.usable_cores()} cores"
+    return torch.get_num_threads(), f"torch's default on {cpu.usable_cores()} usable cores"

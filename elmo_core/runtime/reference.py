@@ -1,0 +1,154 @@
+"""A model reference ─► the files of one model on this machine: the one resolver every command uses.
+
+What a user may name as a model:
+
+    data/export                        a model directory (options.json + weights.hdf5 [+ vocab.txt])
+    options.json + --weight-file W     the published files (AllenNLP's and bilm-tf's downloads), named one by one
+    models:/elmo/3                     a registered version in the MLflow store
+    models:/elmo/latest                its highest version, now
+    models:/elmo@champion              the version an alias points at, now
+    runs:/RUN/model                    a run's logged model
+
+A registered model is downloaded once per machine into the download cache (``$ELMO_CACHE_DIR``, else
+``$XDG_CACHE_HOME/elmo``, else ``~/.cache/elmo``), keyed by what identifies its files: the store, the name, the
+version, the run that made it and when it was registered (a version number alone repeats when a store is made
+anew). ``latest`` and aliases are asked of the registry on every resolve, so they follow the registry; the files of
+the version they name are downloaded only the first time. Concurrent resolvers wait for one download (a lock per
+entry); an entry appears whole (downloaded beside, then renamed), so a killed download leaves nothing it could
+mistake for a model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from elmo_core import tracking
+from elmo_core.bilm.weights import OPTIONS_NAME, resolve_model_files
+from elmo_core.errors import InputError
+from elmo_core.fileio import FolderLock
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "ELMO_CACHE_DIR"
+REGISTERED = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[^/]+)|@(?P<alias>[^/]+))/?$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """One model's files on this machine, and how they were found (``origin``, for the run's line)."""
+
+    asked: str
+    options: Path
+    weights: Path
+    vocab: Path | None
+    origin: str
+
+    @property
+    def directory(self) -> Path:
+        return self.options.parent
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and ``/info``: the URI as asked, else the folder's name."""
+        return self.asked if tracking.is_model_uri(self.asked) else Path(self.asked).resolve().name
+
+    @property
+    def model_id(self) -> str:
+        """A short content hash of options.json + weights.hdf5: which model made a vector (tables keep it)."""
+        return _content_id(self.options, self.weights, *_stamp(self.options), *_stamp(self.weights))
+
+    def line(self) -> str:
+        return f"model {self.asked} ({self.origin}; id {self.model_id})"
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=16)
+def _content_id(options: Path, weights: Path, *stamps: int) -> str:
+    """Hashed once per process and file version (``stamps``: sizes and mtimes): the published original model's
+    weights are 374 MB."""
+    digest = hashlib.sha256()
+    for path in (options, weights):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """Where downloaded models live on this machine."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "elmo"
+
+
+def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
+    """The files of the model ``reference`` names (the forms in the module's docstring); refused in one line where
+    there is no model: a missing folder, a folder without options.json, an unknown registered name."""
+    if tracking.is_model_uri(reference) and not reference.startswith("file:"):
+        return _registered(reference) if reference.startswith("models:/") else _downloaded(reference, reference, {})
+    path = Path(reference.removeprefix("file://"))
+    if not path.exists():
+        raise InputError(f"{reference}: no such model directory or options file")
+    if path.is_dir() and not (path / OPTIONS_NAME).exists():
+        raise InputError(
+            f"{path}: no {OPTIONS_NAME}; a model is a directory with options.json and weights.hdf5, a published "
+            "options.json with --weight-file, or an MLflow URI (models:/NAME/VERSION, models:/NAME@ALIAS, runs:/...)"
+        )
+    options, weights, vocab = resolve_model_files(path, weight_file)
+    if not weights.exists():
+        raise InputError(f"{weights}: weight file not found (the model named {reference})")
+    origin = "a model directory" if path.is_dir() else "published files"
+    return ModelRef(reference, options, weights, vocab, origin)
+
+
+def _registered(uri: str) -> ModelRef:
+    match = REGISTERED.match(uri)
+    if match is None:
+        raise InputError(f"{uri}: expected models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
+    facts = tracking.registered_version(match["name"], match["version"], match["alias"])
+    exact = f"models:/{facts['name']}/{facts['version']}"
+    return _downloaded(uri, exact, facts)
+
+
+def _downloaded(asked: str, exact: str, facts: dict[str, str]) -> ModelRef:
+    """``exact`` (a URI whose files never change) from the download cache, fetched the first time."""
+    identity = json.dumps({"uri": exact, **facts, "store": facts.get("store") or tracking.resolve_tracking_uri()})
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", exact.split(":/", 1)[1]).strip("-")
+    entry = cache_root() / "models" / f"{label}-{key}"
+    how = "cached"
+    if not (entry / "model.json").exists():
+        with FolderLock(entry.with_name(entry.name + ".lock"), entry, wait=True):
+            if not (entry / "model.json").exists():  # another process may have fetched it while this one waited
+                _fetch(exact, entry, identity)
+                how = "downloaded"
+    found = entry / json.loads((entry / "model.json").read_text())["folder"]
+    options, weights, vocab = resolve_model_files(found)
+    origin = f"{exact}, {how} in {entry}" if exact == asked else f"{exact} now, {how} in {entry}"
+    return ModelRef(asked, options, weights, vocab, origin)
+
+
+def _fetch(uri: str, entry: Path, identity: str) -> None:
+    partial = entry.with_name(entry.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a download that was killed
+    partial.mkdir(parents=True)
+    log.info("%s: downloading into the model cache %s", uri, entry.parent)
+    found = tracking.download_model(uri, partial)
+    (partial / "model.json").write_text(
+        json.dumps({"folder": str(found.relative_to(partial)), "identity": json.loads(identity)}, indent=2) + "\n"
+    )
+    shutil.rmtree(entry, ignore_errors=True)
+    partial.rename(entry)
