@@ -26,10 +26,9 @@ from elmo_core.text.tokenize import TokenizerName
 log = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16"]  # training's
-# inference's, the same values with the same meaning in every command that runs a model (the runtime resolves them:
-# runtime/placement.py): auto is bf16 where the device computes it natively, else fp32; int8 runs the LSTM step's
-# products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: docs/precision.md)
-InferencePrecision = Literal["auto", "fp32", "bf16", "int8"]
+# inference's: int8 runs the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is
+# emulated: docs/precision.md)
+InferencePrecision = Literal["fp32", "bf16", "int8"]
 
 
 BUDGET_UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -385,8 +384,8 @@ class EmbedOptions(Options):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
     precision: InferencePrecision = Field(
         "fp32",
-        description="fp32 (bilm-tf exact), auto (bf16 where native, else fp32), bf16 (matmuls in bfloat16, cell "
-        "state in fp32) or int8 (CPU: the LSTM step's products on int8 weights)",
+        description="fp32 (bilm-tf exact), bf16 (matmuls in bfloat16, cell state in fp32) or int8 (CPU: the LSTM "
+        "step's products on int8 weights)",
     )
     bf16: bool | None = Field(None, description="deprecated: use --precision bf16", **tags(ALIAS))
     overwrite: bool = Field(
@@ -488,25 +487,23 @@ class ServeConfig(Options):
     precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8"
     )
-    tokenizer: TokenizerName = Field("whitespace", description="how raw text is tokenized (as `elmo embed` does)")
-    max_batch_tokens: int = Field(  # tokens/s is flat from ~2,500 tokens a batch up (bench/serve_load.py)
-        4096, gt=0, description="tokens per forward pass, from however many requests"
-    )
-    max_wait_ms: float = Field(
-        2.0, ge=0, description="how long a forward pass with room left waits for more requests to join it"
-    )
-    max_queue_tokens: int = Field(  # about 2-3 s of the small shape's work on 2 cores: a wait, not a backlog
-        16_384, gt=0, description="tokens accepted and not yet answered; past it a request gets 429 with Retry-After"
-    )
-    max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413")
-    max_sentences: int = Field(256, gt=0, description="sentences of one request; more: 413")
+    tokenizer: TokenizerName = Field("unicode", description="raw text's, as in `elmo embed` (unicode: 'apple.' is 2)")
+    max_batch_tokens: int = Field(4096, gt=0, description="tokens per forward pass (tokens/s is flat from ~2,500)")
+    max_wait_ms: float = Field(2.0, ge=0, description="how long a forward pass with room left waits for company")
+    max_queue_tokens: int = Field(16_384, gt=0, description="tokens admitted, not answered (2-3 s of work); then 429")
+    max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413 (or truncated)")
+    max_sentences: int = Field(2048, gt=0, description="sentences (inputs) of one request, OpenAI's limit; more: 413")
+    max_answer_floats: int = Field(1 << 24, gt=0, description="floats one answer may carry (64 MiB); more: 413")
+    auto_truncate: bool = Field(False, description="cut sentences past --max-sentence-tokens (default: 413)")
     max_body_bytes: int = Field(4 << 20, gt=0, description="bytes of one request body, checked before it is parsed")
     workers: int = Field(1, gt=0, description="model processes, each with its share of the cores")
-    api_key: str | None = Field(
-        None, description="require 'Authorization: Bearer KEY' (or set ELMO_API_KEY, which ps does not show)"
-    )
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (or ELMO_API_KEY, unseen by ps)")
+    metrics_open: bool = Field(False, description="serve /metrics without the API key (to a Prometheus scraper)")
     batching: bool = Field(True, description="pack concurrent requests together (off: one request per forward pass)")
-    drain_seconds: float = Field(30.0, gt=0, description="on SIGTERM, how long requests in flight may take to finish")
+    drain_delay: float = Field(5.0, ge=0, description="on SIGTERM, seconds /ready is 503 and requests still served")
+    drain_seconds: float = Field(30.0, gt=0, description="then, how long requests in flight may take to finish")
+    batch_timeout: float = Field(60.0, gt=0, description="seconds a model process may take on a batch (a hang: kill)")
+    access_log: bool = Field(True, description="one JSON line per request on stdout (id, status, tokens, times)")
 
     @model_validator(mode="after")
     def _sentence_fits_a_batch(self) -> ServeConfig:

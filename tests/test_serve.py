@@ -33,7 +33,8 @@ LIMITS = ["--max-queue-tokens", "1000", "--max-sentence-tokens", "40", "--max-se
 def _serve(tmp: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     model = [str(MODEL)] if not args or args[0].startswith("--") else []  # the fixture unless files are given
-    command = [sys.executable, "-m", "elmo_core.cli", "serve", *model, "--port", str(port), *args]
+    quick = [] if "--drain-delay" in args else ["--drain-delay", "0"]  # the tests' SIGTERMs stop at once
+    command = [sys.executable, "-m", "elmo_core.cli", "serve", *model, "--port", str(port), *quick, *args]
     server = start_server(command, f"http://127.0.0.1:{port}/health", tmp / "serve.log", env=env)
     return server, f"http://127.0.0.1:{port}"
 
@@ -136,7 +137,7 @@ def test_layers_mix_mean_and_both_encodings(server: str, bilm: BiLM) -> None:
         for encoding, dtype in (("float", "float32"), ("base64", "float32"), ("base64", "float16")):
             body = {"sentences": sentences, "output": output, "mix_weights": weights, "gamma": gamma}
             answer = httpx.post(f"{server}/embed", json={**body, "encoding": encoding, "dtype": dtype}).json()
-            assert answer["output"] == output and answer["usage"] == {"tokens": 9}
+            assert answer["output"] == output and answer["usage"] == {"tokens": 9, "truncated": 0}
             for item, want in zip(answer["data"], wanted):
                 assert item["shape"] == list(want.shape)
                 got = decode(item, dtype) if encoding == "base64" else np.array(item["embedding"])
@@ -149,8 +150,9 @@ def test_openai_embeddings_schema(server: str, bilm: BiLM) -> None:
     texts = ["I ate an apple .", "Apple shares rose ."]
     answer = httpx.post(f"{server}/v1/embeddings", json={"input": texts, "model": "elmo"}).json()
     assert answer["object"] == "list" and answer["model"] == "elmo"
-    assert answer["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
-    want = [x.mean(0).mean(0) for x in bilm.embed_sentences([t.split() for t in texts])]
+    assert answer["usage"] == {"prompt_tokens": 9, "total_tokens": 9, "truncated": 0}
+    means = [x.mean(0).mean(0) for x in bilm.embed_sentences([t.split() for t in texts])]
+    want = [m / np.linalg.norm(m) for m in means]  # unit length by default, as OpenAI's vectors are
     for i, item in enumerate(answer["data"]):
         assert item["object"] == "embedding" and item["index"] == i
         np.testing.assert_allclose(item["embedding"], want[i], atol=1e-6)

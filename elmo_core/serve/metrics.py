@@ -9,7 +9,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 ENDPOINTS = ("/embed", "/v1/embeddings")
-STATUSES = ("200", "401", "413", "422", "429", "499", "500", "503")  # 499: the client left before its answer
+STATUSES = ("200", "400", "401", "413", "422", "429", "499", "500", "503")  # 499: the client left before its answer
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 RATE_WINDOW_S = 10.0
@@ -40,6 +40,12 @@ class ServerMetrics:
             "elmo_batch_requests",
             "requests sharing a forward pass",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "elmo_queue_seconds",
+            "time a request waited in the queue: from its arrival to its last sentence's batch being sent",
+            buckets=(0.001, 0.0025, *LATENCY_BUCKETS),
             registry=r,
         )
         self.tokens = Counter("elmo_tokens", "tokens embedded", registry=r)

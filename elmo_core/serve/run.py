@@ -2,8 +2,10 @@
 connects early waits in the backlog instead of being refused), then the app starts on uvicorn: /health answers at
 once, the model processes load behind it, /ready turns 200 when one is warm.
 
-SIGTERM or Ctrl-C: uvicorn stops accepting and waits up to ``drain_seconds`` for the requests in flight, which the
-model processes still answer; then the processes are told to stop and ``serve`` returns.
+SIGTERM: /ready answers 503 at once and requests are still served for ``drain_delay`` seconds (load balancers
+learn that this replica is going); then uvicorn stops accepting and waits up to ``drain_seconds`` for the requests
+in flight, which the model processes still answer; then the processes are told to stop and ``serve`` returns.
+Ctrl-C skips the delay.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from elmo_core.errors import ConfigError, ElmoError
 from elmo_core.options import ServeConfig
@@ -86,6 +90,43 @@ def check_model(config: ServeConfig) -> None:
         raise ConfigError(f"{config.weight_file}: no such weight file (--weight-file)")
 
 
+def _uvicorn(app: Any, config: ServeConfig) -> Any:
+    """uvicorn's server, with SIGTERM's drain delay: /ready answers 503 at once (``Server.draining``), requests are
+    still served for ``--drain-delay`` seconds, the time a Kubernetes endpoint update takes to reach the load
+    balancers that would otherwise route requests to a closed port; then uvicorn's own drain (the listener closed,
+    requests in flight answered within ``--drain-seconds``). Ctrl-C, or a second SIGTERM, skips the delay."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        drain_until: float | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server.draining = True
+            if sig == signal.SIGTERM and self.drain_until is None and config.drain_delay > 0 and not self.should_exit:
+                self._captured_signals.append(sig)  # raised again once uvicorn is done, as it does itself
+                self.drain_until = time.monotonic() + config.drain_delay
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_until is not None and not self.should_exit and time.monotonic() >= self.drain_until:
+                log.info("drain delay over: the listener closes, requests in flight are answered")
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return Draining(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(config.drain_seconds),
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            lifespan="on",
+        )
+    )
+
+
 def serve(config: ServeConfig) -> Served:
     """Serve until SIGTERM or Ctrl-C; raises ``ServeError`` where the model cannot run."""
     if config.api_key is None and os.environ.get(API_KEY_ENV):
@@ -116,17 +157,7 @@ def serve(config: ServeConfig) -> Served:
             server.should_exit = True
 
     app = create_app(config, model_dir, on_fatal)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=int(config.drain_seconds),
-            timeout_keep_alive=KEEP_ALIVE_SECONDS,
-            lifespan="on",
-        )
-    )
+    server = _uvicorn(app, config)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found: a quiet one here
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

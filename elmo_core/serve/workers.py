@@ -1,6 +1,8 @@
 """The model processes: each loads the biLM once (``compute.BatchEmbedder``) with its share of the cores and runs
 the batches it is sent, one at a time. The HTTP process watches each through its pipe: a process that dies fails
-only the batch it held (those requests get 503) and is started again.
+only the batch it held (those requests get 503) and is started again: at once the first time, then after a pause
+that doubles (a process that dies as it starts would otherwise be respawned as fast as the machine can). One busy
+past the batch timeout is killed (``kill``), and that is a death like any other.
 
 A model process ignores SIGINT and SIGTERM: the HTTP process decides when serving ends (after draining) and then
 closes the pipe, which ends the process; a pipe that closes because the HTTP process died ends it too.
@@ -29,6 +31,7 @@ RESTARTS_BEFORE_GIVING_UP = 5  # deaths in a row with no batch answered in betwe
 # Below the HTTP process in the CPU's queue: when a burst and the model want the same cores, the HTTP process
 # still reads requests and answers 429s at once, and the model takes the rest.
 WORKER_NICENESS = 5
+RESTART_PAUSE_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the n-th restart in a row; the last repeats
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,21 @@ class Worker:
     batch: Batch | None = None  # the batch it is computing
     info: dict[str, Any] = field(default_factory=dict)
     deaths_in_a_row: int = 0
+    alive: bool = False  # its process started and not yet seen to end
+    killed_why: str | None = None  # set when the pool kills it (busy past the batch timeout)
+
+    @property
+    def able(self) -> bool:
+        """It can answer, now or once warm: running, and not being killed."""
+        return self.alive and self.killed_why is None
+
+    @property
+    def state(self) -> str:
+        if not self.alive:
+            return "restarting"
+        if self.killed_why is not None:
+            return "killed"
+        return ("busy" if self.batch is not None else "idle") if self.ready else "loading"
 
 
 class WorkerEvents:
@@ -117,6 +135,7 @@ class WorkerPool:
             process.start()
         child.close()
         worker.process, worker.conn, worker.ready, worker.batch = process, parent, False, None
+        worker.alive, worker.killed_why = True, None
         threading.Thread(target=self._read, args=(worker, parent, process), daemon=True).start()
 
     def idle(self) -> Worker | None:
@@ -125,6 +144,18 @@ class WorkerPool:
     @property
     def ready_count(self) -> int:
         return sum(w.ready for w in self.workers)
+
+    @property
+    def able_count(self) -> int:
+        """Model processes that can answer now or once warm (what /health is decided on)."""
+        return sum(w.able for w in self.workers)
+
+    def kill(self, worker: Worker, why: str) -> None:
+        """End a process that must not go on (hung on a batch): its reader thread then reports the loss."""
+        if worker.process is not None and worker.alive and worker.killed_why is None:
+            worker.killed_why = why
+            log.error("worker %d (pid %s) %s", worker.slot, worker.info.get("pid"), why)
+            worker.process.kill()
 
     def send(self, worker: Worker, batch: Batch) -> None:
         worker.batch = batch
@@ -176,10 +207,15 @@ class WorkerPool:
     def _on_lost(self, worker: Worker, exitcode: int | None) -> None:
         if self.closing:
             return
-        batch, worker.batch, worker.ready = worker.batch, None, False
+        batch, worker.batch, worker.ready, worker.alive = worker.batch, None, False, False
         worker.deaths_in_a_row += 1
+        pause = RESTART_PAUSE_S[min(worker.deaths_in_a_row, len(RESTART_PAUSE_S)) - 1]
         log.error(
-            "worker %d (pid %s) died (exit code %s); starting it again", worker.slot, worker.info.get("pid"), exitcode
+            "worker %d (pid %s) died (exit code %s); starting it again in %g s",
+            worker.slot,
+            worker.info.get("pid"),
+            exitcode,
+            pause,
         )
         self.events.worker_lost(worker, batch, exitcode)
         if worker.deaths_in_a_row > RESTARTS_BEFORE_GIVING_UP:
@@ -188,7 +224,16 @@ class WorkerPool:
             )
             return
         self.restarts += 1
-        self._spawn(worker)
+        if pause == 0:
+            self._spawn(worker)
+        else:  # the pause on a timer thread, the spawn back in the event loop's thread
+            timer = threading.Timer(pause, self.call, args=(self._respawn, worker))
+            timer.daemon = True
+            timer.start()
+
+    def _respawn(self, worker: Worker) -> None:
+        if not self.closing:
+            self._spawn(worker)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Tell every process that serving ends, wait for them, kill what lingers."""
