@@ -26,9 +26,10 @@ from elmo_core.text.tokenize import TokenizerName
 log = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16"]  # training's
-# inference's: int8 runs the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is
-# emulated: docs/precision.md)
-InferencePrecision = Literal["fp32", "bf16", "int8"]
+# inference's, the same values with the same meaning in every command that runs a model (the runtime resolves them:
+# runtime/placement.py): auto is bf16 where the device computes it natively, else fp32; int8 runs the LSTM step's
+# products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: docs/precision.md)
+InferencePrecision = Literal["auto", "fp32", "bf16", "int8"]
 
 
 BUDGET_UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -384,8 +385,8 @@ class EmbedOptions(Options):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
     precision: InferencePrecision = Field(
         "fp32",
-        description="fp32 (bilm-tf exact), bf16 (matmuls in bfloat16, cell state in fp32) or int8 (CPU: the LSTM "
-        "step's products on int8 weights)",
+        description="fp32 (bilm-tf exact), auto (bf16 where native, else fp32), bf16 (matmuls in bfloat16, cell "
+        "state in fp32) or int8 (CPU: the LSTM step's products on int8 weights)",
     )
     bf16: bool | None = Field(None, description="deprecated: use --precision bf16", **tags(ALIAS))
     overwrite: bool = Field(
