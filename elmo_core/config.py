@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from elmo_core.errors import ConfigError
+from elmo_core.errors import ConfigError, WeightFileError
 from elmo_core.fileio import write_text_atomic
 from elmo_core.text.chars import MAX_CHARS, N_CHARS
 
@@ -211,3 +211,29 @@ def preset(name: PresetName) -> ModelConfig:
         return PRESETS[name]()
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+
+
+# ----- a model's files ------------------------------------------------------------------------------------
+
+OPTIONS_NAME = "options.json"
+WEIGHTS_NAME = "weights.hdf5"
+VOCAB_NAME = "vocab.txt"
+
+
+def resolve_model_files(
+    options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None
+) -> tuple[Path, Path, Path | None]:
+    """(options.json, weights.hdf5, vocab.txt or None) of a model directory, or of the files named."""
+    source = Path(options_or_dir)
+    if source.is_dir():
+        options = source / OPTIONS_NAME
+        if weight_file is None:
+            candidates = [source / WEIGHTS_NAME, source / "lm_weights.hdf5"]
+            weight_file = next((c for c in candidates if c.exists()), candidates[0])
+        if vocab_file is None and (source / VOCAB_NAME).exists():
+            vocab_file = source / VOCAB_NAME
+    else:
+        options = source
+        if weight_file is None:
+            raise WeightFileError(f"{source}: give the weight file too, or a model directory")
+    return options, Path(weight_file), Path(vocab_file) if vocab_file is not None else None

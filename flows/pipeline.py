@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import flows.common  # noqa: F401  (environment defaults before Prefect loads)
-from elmo_core.bilm.weights import OPTIONS_NAME, WEIGHTS_NAME
+from elmo_core.config import OPTIONS_NAME, WEIGHTS_NAME
 from elmo_core.data.vocab import VocabStage
 from elmo_core.errors import ConfigError
 from elmo_core.ingest import IngestStage, find_sources

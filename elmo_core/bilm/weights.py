@@ -22,14 +22,18 @@ import h5py
 import numpy as np
 import torch
 
-from elmo_core.config import ModelConfig, read_options, write_options
+from elmo_core.config import (
+    OPTIONS_NAME,
+    VOCAB_NAME,
+    WEIGHTS_NAME,
+    ModelConfig,
+    read_options,
+    resolve_model_files,
+    write_options,
+)
 from elmo_core.errors import WeightFileError, disk_full
 from elmo_core.fileio import atomic_folder, atomic_path, disk_full_error, require_space
 from elmo_core.text.vocab_file import read_vocab_file, write_vocab_file
-
-OPTIONS_NAME = "options.json"
-WEIGHTS_NAME = "weights.hdf5"
-VOCAB_NAME = "vocab.txt"
 
 _GATES_TF_TO_TORCH = (0, 2, 1, 3)  # i, j, f, o → i, f, j, o (self-inverse)
 
@@ -197,25 +201,6 @@ def write_weights(config: ModelConfig, state_dict: dict[str, torch.Tensor], path
     image = weights_image(config, state_dict)
     with atomic_path(path) as tmp:
         tmp.write_bytes(image)
-
-
-def resolve_model_files(
-    options_or_dir: str | Path, weight_file: str | Path | None = None, vocab_file: str | Path | None = None
-) -> tuple[Path, Path, Path | None]:
-    """(options.json, weights.hdf5, vocab.txt or None) of a model directory, or of the files named."""
-    source = Path(options_or_dir)
-    if source.is_dir():
-        options = source / OPTIONS_NAME
-        if weight_file is None:
-            candidates = [source / WEIGHTS_NAME, source / "lm_weights.hdf5"]
-            weight_file = next((c for c in candidates if c.exists()), candidates[0])
-        if vocab_file is None and (source / VOCAB_NAME).exists():
-            vocab_file = source / VOCAB_NAME
-    else:
-        options = source
-        if weight_file is None:
-            raise WeightFileError(f"{source}: give the weight file too, or a model directory")
-    return options, Path(weight_file), Path(vocab_file) if vocab_file is not None else None
 
 
 def read_model_files(

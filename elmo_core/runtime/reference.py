@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elmo_core import tracking
-from elmo_core.bilm.weights import OPTIONS_NAME, resolve_model_files
+from elmo_core.config import OPTIONS_NAME, resolve_model_files
 from elmo_core.errors import InputError
 from elmo_core.fileio import FolderLock
 
@@ -109,7 +109,7 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
         )
     options, weights, vocab = resolve_model_files(path, weight_file)
     if not weights.exists():
-        raise InputError(f"{weights}: weight file not found (the model named {reference})")
+        raise InputError(f"{weights}: no such weight file" + (" (--weight-file)" if weight_file else ""))
     origin = "a model directory" if path.is_dir() else "published files"
     return ModelRef(reference, options, weights, vocab, origin)
 

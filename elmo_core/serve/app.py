@@ -27,7 +27,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -217,14 +216,14 @@ def _error_response(error: RequestError) -> JSONResponse:
 class Server:
     """What the routes share: the options, the metrics, the queue, the model processes, the model's facts."""
 
-    def __init__(self, config: ServeConfig, model_dir: Callable[[], str], on_fatal: Callable[[str], None]) -> None:
-        self.config, self.resolve_model_dir, self.on_fatal = config, model_dir, on_fatal
+    def __init__(self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
+        self.config, self.resolve_model, self.on_fatal = config, resolve_model, on_fatal
         self.metrics = ServerMetrics()
         self.tokenize = get_tokenizer(config.tokenizer)
         self.batcher: Batcher | None = None
         self.pool: WorkerPool | None = None
         self.state = "starting"
-        self.model_name = config.model.rstrip("/").rsplit("/", 1)[-1] if "://" not in config.model else config.model
+        self.model_name = config.model  # the runtime's short name once resolved (``ModelRef.name``)
         self.options: dict[str, Any] = {}
         self.created = int(time.time())  # /v1/models' "created"
         self.draining = False  # SIGTERM came: /ready answers 503 while requests are still served
@@ -242,14 +241,15 @@ class Server:
         """Off the event loop: fetch the model where it is a URI (MLflow), then start the model processes."""
         try:
             self.state = "fetching the model"
-            model_dir = self.resolve_model_dir()
-            options = Path(model_dir) / "options.json" if Path(model_dir).is_dir() else Path(model_dir)
-            self.options = json.loads(options.read_text())
+            model = self.resolve_model()  # the runtime's resolver: a registered model lands in the download cache
+            self.options = json.loads(model.options.read_text())
+            self.model_name = model.name
         except Exception as exc:  # one line, and the server stops
             call(self.batcher.fatal, f"the model cannot be loaded: {str(exc).splitlines()[0] if str(exc) else exc!r}")
             return
         config = self.config
-        plan = WorkerPlan(model_dir, config.weight_file, config.device, config.precision, config.workers)
+        # each model process resolves the same reference again through the runtime (a cache hit, no download)
+        plan = WorkerPlan(config.model, config.weight_file, config.device, config.precision, config.workers)
         self.pool = WorkerPool(plan, self.batcher, call)  # type: ignore[arg-type]
         self.batcher.pool = self.pool  # type: ignore[union-attr]
         self.state = "loading the model"
@@ -520,9 +520,9 @@ async def bad_body(request: Request, error: RequestValidationError) -> JSONRespo
     return await request_error(request, Unprocessable(message, param=problems[0][0] if problems else None))
 
 
-def create_app(config: ServeConfig, model_dir: Callable[[], str], on_fatal: Callable[[str], None]) -> FastAPI:
+def create_app(config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> FastAPI:
     """The app: the routes above around one ``Server``, which starts the model processes with the app."""
-    server = Server(config, model_dir, on_fatal)
+    server = Server(config, resolve_model, on_fatal)
     if config.access_log:
         _start_access_log()
 

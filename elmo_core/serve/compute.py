@@ -1,11 +1,10 @@
 """The unit a model process runs: one batch of sentences, from however many requests, in one packed forward pass.
 
-The biLM is stateless here (every sentence starts from zero state) and reads the batch packed, as the batch job
-does (``BiLM.token_rows`` over a token table: no padding computed), so a sentence's vectors are what it gets alone,
-whatever shares its batch. A word's layer 0 (char CNN, highway, projection) depends on the word alone, so the
-process keeps it across batches (``WordVectors``): a call then pays the char CNN only for words it has not seen,
-where a lone call would read every highway weight for a handful of words. Each sentence's answer leaves as JSON
-text (the value of its ``embedding``), encoded here so that the HTTP process only joins bytes.
+The model runs through the runtime (``elmo_core.runtime.Runtime``), as the batch job's does: resolved, placed and
+prepared once per process, every sentence from zero state over the runtime's word cache (a word's layer 0 is kept
+across batches, so a call pays the char CNN only for words it has not seen), and shaped by the runtime's output
+description, so a sentence's vectors are what ``elmo embed`` writes for it, whatever shares its batch. Each
+sentence's answer leaves encoded (``encode``), so that the HTTP process only joins bytes.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import base64
 import logging
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,53 +20,29 @@ import numpy as np
 import orjson
 import torch
 
-from elmo_core.bilm.inference import TokenCache
-from elmo_core.bilm.model import BiLM
-from elmo_core.bilm.scalar_mix import fixed_mix
-from elmo_core.cpu import apply_thread_share, describe
-from elmo_core.precision import pick_device, resolve_precision
+from elmo_core.bilm.inference import sentence_slices
+from elmo_core.runtime import Output as Shape
+from elmo_core.runtime import Runtime
 from elmo_core.serve.api import Answer, Batch, Output
 
 log = logging.getLogger(__name__)
 
-WORD_CACHE_BYTES = 64 << 20  # layer-0 vectors kept per model process: 131k words of the small shape, 32k original
 WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
-
-
-class WordVectors:
-    """Layer 0 of the words a process has seen, least recently used dropped first past ``max_bytes``."""
-
-    def __init__(self, bilm: BiLM, max_bytes: int = WORD_CACHE_BYTES) -> None:
-        self.bilm = bilm
-        self.rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.capacity = max(1, max_bytes // (bilm.config.lstm.projection_dim * 4))
-        self.missed = 0
-
-    def table(self, words: Sequence[str]) -> TokenCache:
-        """A token cache of ``words`` (distinct), computing only the ones not kept (``missed`` says how many)."""
-        missing = [w for w in words if w not in self.rows]
-        self.missed = len(missing)
-        if missing:
-            for word, row in zip(missing, self.bilm.token_embeddings(missing)):
-                self.rows[word] = row
-        for word in words:
-            self.rows.move_to_end(word)
-        while len(self.rows) > max(self.capacity, len(words)):
-            self.rows.popitem(last=False)
-        return TokenCache(self.bilm, words, torch.stack([self.rows[w] for w in words]))
+SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "mean")}  # a request's kind, as the
+# runtime's output description: (layers, pool)
 
 
 class BatchEmbedder:
-    """One model process's biLM, loaded and warmed once, then batch after batch."""
+    """One model process's runtime, opened and warmed once, then batch after batch."""
 
     def __init__(
-        self, model: str | Path, weight_file: str | None = None, device: str = "auto", precision: str = "fp32"
+        self,
+        model: str | Path,
+        weight_file: str | None = None,
+        device: str = "auto",
+        precision: str = "fp32",
     ) -> None:
-        apply_thread_share()  # this process's share of the cores (``/info`` reports its threads)
-        self.device = pick_device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.bilm = BiLM.from_pretrained(str(model), weight_file, device=self.device, precision=self.precision)
-        self.words = WordVectors(self.bilm)
+        self.runtime = Runtime.open(str(model), weight_file=weight_file, device=device, precision=precision)
 
     def warm_up(self) -> float:
         """One call before the first request (kernels compiled or chosen, buffers sized); returns its seconds."""
@@ -78,54 +51,31 @@ class BatchEmbedder:
         return time.perf_counter() - started
 
     def info(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "precision": str(self.precision),
-            "precision_why": self.precision.why,
-            "kernels": str(self.bilm.kernels),
-            "threads": torch.get_num_threads(),
-            "layers": self.bilm.num_layers,
-            "dim": self.bilm.output_dim,
-            "cpu": describe(),
-        }
-
-    def _mix(self, spec: Output) -> torch.Tensor:
-        """γ · softmax(w) of a request's mix, (L+1,): made per batch for each output asked (a few numbers; kept
-        nowhere, so clients sending ever new weights grow nothing)."""
-        return fixed_mix(self.bilm.num_layers, spec.mix_weights, spec.gamma).weights().detach().to(self.device)
+        return {"pid": os.getpid(), **self.runtime.facts(), "line": self.runtime.line()}
 
     @torch.no_grad()
     def run(self, batch: Batch) -> Answer:
-        """Every sentence of the batch in one packed forward pass, each answer shaped and encoded as its request
-        asked."""
+        """Every sentence of the batch in one packed pass through the runtime, each answer shaped and encoded as its
+        request asked."""
         started = time.perf_counter()
-        shapes: list[tuple[int, ...]] = []
-        embeddings: list[bytes] = []
+        n = len(batch.sentences)
+        shapes: list[tuple[int, ...]] = [()] * n
+        embeddings: list[bytes] = [b""] * n
         if not batch.sentences:
             return Answer(batch.id, shapes, embeddings, 0.0)
-        cache = self.words.table(sorted({token for sentence in batch.sentences for token in sentence}))
-        ids = cache.ids(batch.sentences).to(self.device)
-        layers, counts, _ = self.bilm.token_rows(ids, token_table=cache.table.to(self.device))
-        stacked = torch.stack([layer.float() for layer in layers])  # (L+1, N, 2P), sentence after sentence
-        mixes = [self._mix(spec) if spec.kind != "layers" else None for spec in batch.specs]
-        start = 0
-        for i, n in enumerate(counts.tolist()):
-            spec, mix = batch.specs[batch.outputs[i]], mixes[batch.outputs[i]]
-            array = self._shape(stacked[:, start : start + n], spec, mix)
-            start += n
-            shapes.append(array.shape)
-            embeddings.append(encode(array, spec))
-        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, len(cache.words), self.words.missed)
-
-    @staticmethod
-    def _shape(layers: torch.Tensor, spec: Output, mix: torch.Tensor | None) -> np.ndarray:
-        if mix is None:  # every layer
-            return layers.cpu().numpy()
-        mixed = (mix[:, None, None] * layers).sum(0)  # as the batch job mixes (vectors/embed.py)
-        if spec.kind == "mean":
-            mixed = mixed.mean(0)
-        return mixed.cpu().numpy()
+        runtime = self.runtime
+        described = [Shape.of(*SHAPES[spec.kind], spec.mix_weights, spec.gamma) for spec in batch.specs]
+        factors = [d.factors(runtime.num_layers) if d.layers == "mix" else None for d in described]
+        one_pass = [list(range(n))]  # the batcher chose which sentences share this pass, under its token budget
+        for indices, stacked, counts in runtime.run(batch.sentences, one_pass):
+            for i, rows in zip(indices, sentence_slices(counts)):
+                k = batch.outputs[i]
+                shaped = described[k].apply(stacked[:, rows], counts.new_tensor([rows.stop - rows.start]), factors[k])
+                array = described[k].of_sentence(shaped).cpu().numpy()
+                shapes[i] = array.shape
+                embeddings[i] = encode(array, batch.specs[k])
+        distinct = len({token for sentence in batch.sentences for token in sentence})
+        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, distinct, runtime.words.missed)
 
 
 def encode(array: np.ndarray, spec: Output) -> bytes:

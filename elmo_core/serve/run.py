@@ -17,7 +17,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from elmo_core.errors import ConfigError, ElmoError
@@ -76,18 +75,13 @@ def _loopback(host: str) -> bool:
 
 
 def check_model(config: ServeConfig) -> None:
-    """A local model that is not there fails now, in one line, before the port is taken."""
-    if "://" in config.model or ":/" in config.model:
-        return  # an MLflow URI: fetched once the server runs
-    source = Path(config.model)
-    if not source.exists():
-        raise ConfigError(f"{source}: no such model directory or options file")
-    if source.is_dir() and not (source / "options.json").exists():
-        raise ConfigError(f"{source}: no options.json in it; give a model directory (options.json + weights.hdf5)")
-    if source.is_file() and config.weight_file is None:
-        raise ConfigError(f"{source}: an options file; give its weights too (--weight-file weights.hdf5)")
-    if config.weight_file is not None and not Path(config.weight_file).is_file():
-        raise ConfigError(f"{config.weight_file}: no such weight file (--weight-file)")
+    """A local model that is not there fails now, in one line, before the port is taken (the runtime's resolver; an
+    MLflow URI is fetched once the server runs)."""
+    from elmo_core import tracking
+    from elmo_core.runtime.reference import resolve_model
+
+    if not tracking.is_model_uri(config.model):
+        resolve_model(config.model, config.weight_file)
 
 
 def _uvicorn(app: Any, config: ServeConfig) -> Any:
@@ -144,10 +138,10 @@ def serve(config: ServeConfig) -> Served:
 
     from elmo_core.serve.app import create_app
 
-    def model_dir() -> str:
-        from elmo_core.tracking import is_model_uri, resolve_model_dir
+    def model() -> Any:
+        from elmo_core.runtime.reference import resolve_model
 
-        return str(resolve_model_dir(config.model)) if is_model_uri(config.model) else config.model
+        return resolve_model(config.model, config.weight_file)
 
     server: uvicorn.Server | None = None
 
@@ -156,7 +150,7 @@ def serve(config: ServeConfig) -> Served:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, model_dir, on_fatal)
+    app = create_app(config, model, on_fatal)
     server = _uvicorn(app, config)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found: a quiet one here
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
