@@ -494,6 +494,7 @@ class ServeConfig(Options):
     max_queue_tokens: int = Field(16_384, gt=0, description="tokens admitted, not answered (2-3 s of work); then 429")
     max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413 (or truncated)")
     max_sentences: int = Field(2048, gt=0, description="sentences (inputs) of one request, OpenAI's limit; more: 413")
+    max_request_tokens: int = Field(131_072, gt=0, description="tokens of one request; past the queue's: when empty")
     max_answer_floats: int = Field(1 << 24, gt=0, description="floats one answer may carry (64 MiB); more: 413")
     auto_truncate: bool = Field(False, description="cut sentences past --max-sentence-tokens (default: 413)")
     max_body_bytes: int = Field(4 << 20, gt=0, description="bytes of one request body, checked before it is parsed")

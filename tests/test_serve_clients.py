@@ -20,7 +20,10 @@ from elmo_core import BiLM
 from tests.helpers import stop_group
 from tests.test_serve import MODEL, _ready, _serve, decode, metric
 
-ARGS = ["--max-sentence-tokens", "40", "--max-body-bytes", "200000", "--max-answer-floats", "5000", "--auto-truncate"]
+ARGS = [
+    *("--max-sentence-tokens", "40", "--max-body-bytes", "200000", "--max-answer-floats", "5000", "--auto-truncate"),
+    *("--max-queue-tokens", "4096", "--max-request-tokens", "20000"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +116,9 @@ def test_a_too_large_body_is_a_json_413_to_urllib_requests_and_httpx(server: str
 
 def test_openai_client_on_its_defaults_with_2048_inputs(server: str, bilm: BiLM) -> None:
     """OpenAI's client as an application calls it (a model name of OpenAI's, base64 by default, unit vectors
-    expected): 2,048 inputs in one request, each the unit mean of its sentence's mix, batched across the queue."""
+    expected): 2,048 inputs in one request, each the unit mean of its sentence's mix, batched across the queue;
+    their 12,288 tokens pass the queue's 4,096, so the request waits for an empty queue, not a 413. Past
+    --max-request-tokens, a 413 naming it."""
     import openai
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
@@ -134,6 +139,9 @@ def test_openai_client_on_its_defaults_with_2048_inputs(server: str, bilm: BiLM)
         atol=1e-6,
     )
     assert [m.id for m in client.models.list()] == ["allennlp_elmo"]
+    with pytest.raises(openai.APIStatusError, match="--max-request-tokens 20,000") as refused:
+        client.embeddings.create(model="elmo", input=[f"{t} and {t}" for t in texts])
+    assert refused.value.status_code == 413
 
 
 def test_token_ids_are_a_400_that_says_what_to_send(server: str) -> None:

@@ -305,9 +305,9 @@ class Server:
                     )
                 sentences[i], truncated = sentence[: config.max_sentence_tokens], truncated + 1
         total = sum(len(s) for s in sentences)
-        if total > config.max_queue_tokens:
+        if total > config.max_request_tokens:
             raise TooLarge(
-                f"the request has {total:,} tokens; the limit is --max-queue-tokens {config.max_queue_tokens:,}"
+                f"the request has {total:,} tokens; the limit is --max-request-tokens {config.max_request_tokens:,}"
             )
         return sentences, truncated
 
@@ -356,6 +356,7 @@ class Server:
             for w in (self.pool.workers if self.pool else [])
         ]
         limits = ("max_batch_tokens", "max_wait_ms", "max_queue_tokens", "max_sentence_tokens", "max_sentences")
+        limits += ("max_request_tokens",)
         limits += ("max_answer_floats", "max_body_bytes", "batching", "batch_timeout", "drain_delay", "drain_seconds")
         return {
             "model": self.model_name,

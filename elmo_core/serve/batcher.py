@@ -2,11 +2,12 @@
 end (answered, failed, or dropped because its client left).
 
 A request is admitted while the tokens accepted and not yet answered stay within ``max_queue_tokens`` (else
-``QueueFull``: 429 with a Retry-After from the recent rate). Its sentences wait in arrival order. Whenever a model
-process is idle, the sentences at the head are packed into one batch of at most ``max_batch_tokens`` tokens,
-across requests; a batch with room left waits up to ``max_wait_ms`` from its oldest sentence's arrival for more to
-join it. While every process is busy, arrivals accumulate, so batches grow with the load by themselves. With
-batching off, a batch holds one request's sentences (what serving one request per forward pass costs).
+``QueueFull``: 429 with a Retry-After from the recent rate); one larger than that, into an empty queue. Its
+sentences wait in arrival order. Whenever a model process is idle, the sentences at the head are packed into one
+batch of at most ``max_batch_tokens`` tokens, across requests; a batch with room left waits up to
+``max_wait_ms`` from its oldest sentence's arrival for more to join it. While every process is busy, arrivals
+accumulate, so batches grow with the load by themselves. With batching off, a batch holds one request's sentences
+(what serving one request per forward pass costs).
 
 Everything here runs in the event loop's thread; the pool's reader threads reach it through ``call_soon_threadsafe``.
 """
@@ -89,7 +90,9 @@ class Batcher(WorkerEvents):
         if self.fatal_message is not None:
             raise Unavailable(f"the server is stopping: {self.fatal_message}")
         request = Request(sentences, spec, self._loop.create_future())
-        if self.queued_tokens + request.tokens > self.limits.max_queue_tokens:
+        # a request larger than the whole queue (2,048 inputs from an OpenAI client) is admitted into an empty one:
+        # its sentences then go through in batches like any others, and everything else waits for it (429)
+        if self.queued_tokens + min(request.tokens, self.limits.max_queue_tokens) > self.limits.max_queue_tokens:
             raise self.refusal(request.tokens)
         self._admit(request)
         try:
