@@ -79,6 +79,7 @@ class Batcher(WorkerEvents):
         self.waiting_tokens = 0
         self.queued_tokens = 0  # admitted and not yet over: waiting or computing
         self.inflight: dict[int, list[Pending]] = {}
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}  # per batch in flight: when its process is hung
         self.fatal_message: str | None = None
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
@@ -191,7 +192,7 @@ class Batcher(WorkerEvents):
                 request.queue_seconds = now - request.arrived
                 self.metrics.queue_seconds.observe(request.queue_seconds)
         self.pool.send(worker, batch)  # type: ignore[union-attr]
-        self._loop.call_later(self.limits.batch_timeout, self._overdue, worker, batch.id)
+        self._deadlines[batch.id] = self._loop.call_later(self.limits.batch_timeout, self._overdue, worker, batch.id)
 
     def _overdue(self, worker: Worker, batch_id: int) -> None:
         """A model process still on this batch after ``batch_timeout``: hung (or the batch cannot finish), so it is
@@ -200,6 +201,9 @@ class Batcher(WorkerEvents):
             self.pool.kill(worker, f"was busy past --batch-timeout {self.limits.batch_timeout:g} s and was killed")
 
     def _finish_batch(self, batch_id: int) -> list[Pending]:
+        deadline = self._deadlines.pop(batch_id, None)
+        if deadline is not None:
+            deadline.cancel()
         pendings = self.inflight.pop(batch_id, [])
         self.metrics.inflight_tokens.dec(sum(p.tokens for p in pendings))
         return pendings
