@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -196,6 +198,11 @@ def test_full_queue_429_with_retry_after_then_served(server: str) -> None:
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert "--max-queue-tokens 1,000" in refused.json()["error"]["message"]
         assert metric(server, "elmo_requests_total", '{endpoint="/embed",status="429"}') >= 1
+        # urllib sends its whole body (24 MB here) before it reads, and asks for the connection to close
+        big = urllib.request.Request(f"{server}/embed", data=b"x" * (24 << 20), headers={"Connection": "close"})
+        with pytest.raises(urllib.error.HTTPError) as by_urllib:
+            urllib.request.urlopen(big, timeout=60)
+        assert by_urllib.value.code == 429 and "--max-queue-tokens" in by_urllib.value.read().decode()
     assert [w.result().status_code for w in waiting] == [200] * 25
     assert httpx.post(f"{server}/embed", json={"sentences": [["one"]]}).status_code == 200
 

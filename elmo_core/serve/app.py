@@ -189,6 +189,9 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:  # answered 500 by Starlette's outermost layer, past this one's send
+            status = status or 500
+            raise
         finally:
             if self.enabled:
                 line = {"time": round(time.time(), 3), "request_id": request_id, "method": scope["method"]}
