@@ -488,15 +488,15 @@ class ServeConfig(Options):
     precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "fp32", description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8"
     )
-    tokenizer: TokenizerName = Field("unicode", description="raw text's, as in `elmo embed` (unicode: 'apple.' is 2)")
+    tokenizer: TokenizerName = Field("unicode", description="how raw text is split, as `elmo embed --tokenizer` does")
     max_batch_tokens: int = Field(4096, gt=0, description="tokens per forward pass (tokens/s is flat from ~2,500)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a forward pass with room left waits for company")
     max_queue_tokens: int = Field(16_384, gt=0, description="tokens admitted, not answered (2-3 s of work); then 429")
     max_sentence_tokens: int = Field(512, gt=0, description="tokens of one sentence; longer: 413 (or truncated)")
     max_sentences: int = Field(2048, gt=0, description="sentences (inputs) of one request, OpenAI's limit; more: 413")
-    max_request_tokens: int = Field(131_072, gt=0, description="tokens of one request; past the queue's: when empty")
+    max_request_tokens: int = Field(131_072, gt=0, description="tokens of one request (more than a queue: when empty)")
     max_answer_floats: int = Field(1 << 24, gt=0, description="floats one answer may carry (64 MiB); more: 413")
-    auto_truncate: bool = Field(False, description="cut sentences past --max-sentence-tokens (default: 413)")
+    auto_truncate: bool = Field(False, description="cut sentences past --max-sentence-tokens, not a 413")
     max_body_bytes: int = Field(4 << 20, gt=0, description="bytes of one request body, checked before it is parsed")
     workers: int = Field(1, gt=0, description="model processes, each with its share of the cores")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (or ELMO_API_KEY, unseen by ps)")
