@@ -72,6 +72,22 @@ class LstmConfig(_Strict):
         return self.cell_clip is not None or self.proj_clip is not None
 
 
+class ManyLangsConfig(_Strict):
+    """ELMoForManyLangs' token layer (``docs/elmo-format.md`` §9): characters are ids of the model's ``char.dic`` (whole
+    code points) and a word embedding from ``word.dic`` sits beside the char CNN, joined before the projection
+    (which such a model always has). Absent for bilm-tf models, whose ``options.json`` never holds it."""
+
+    n_characters: int = Field(gt=0, description="rows of the char table: char.dic's ids")
+    n_words: int = Field(0, ge=0, description="rows of the word table: word.dic's ids (0: no word embedding)")
+    word_dim: int = Field(0, ge=0, description="width of the word embedding (0: none)")
+
+    @model_validator(mode="after")
+    def _check_words(self) -> ManyLangsConfig:
+        if (self.n_words == 0) != (self.word_dim == 0):
+            raise ValueError(f"a word table has rows and a width: n_words {self.n_words}, word_dim {self.word_dim}")
+        return self
+
+
 class ModelConfig(_Strict):
     """The biLM architecture. Field names are bilm-tf's so ``options.json`` maps 1:1."""
 
@@ -80,6 +96,7 @@ class ModelConfig(_Strict):
     char_cnn: CharCNNConfig = CharCNNConfig()
     lstm: LstmConfig = LstmConfig()
     n_tokens_vocab: int | None = Field(None, gt=0, description="softmax rows; None = no softmax")
+    manylangs: ManyLangsConfig | None = None  # an ELMoForManyLangs model's token layer; None: bilm-tf's
 
     @model_validator(mode="after")
     def _check_projection(self) -> ModelConfig:
@@ -111,6 +128,8 @@ class ModelConfig(_Strict):
         options["char_cnn"]["n_characters"] = N_CHARS
         if self.n_tokens_vocab is None:
             options.pop("n_tokens_vocab")
+        if self.manylangs is None:
+            options.pop("manylangs")
         return options
 
 

@@ -37,12 +37,12 @@ LAYERS = [
 
 # inside the packages, bottom up likewise
 ROOMS = {
-    "text": ["chars", "tokenize", "wordnet", "vocab_file", "corpus", "__init__"],
+    "text": ["chars", "manylangs_chars", "tokenize", "wordnet", "vocab_file", "corpus", "__init__"],
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
     "data": ["vocab", "batches", "prefetch", "__init__"],
     "bilm": [
-        *("weights", "inference", "lstm_math", "kernels", "packing", "model", "scalar_mix", "initialization"),
-        *("softmax", "__init__"),
+        *("weights", "manylangs", "inference", "lstm_math", "kernels", "packing", "model", "scalar_mix"),
+        *("initialization", "softmax", "__init__"),
     ],
     "bilm.kernels": [
         *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells", "choice"),

@@ -41,11 +41,12 @@ from elmo_core.bilm.kernels import Kernels, TrainingKernels, choose, choose_trai
 from elmo_core.bilm.kernels.char_cnn import conv_max
 from elmo_core.bilm.kernels.trained_step import Window
 from elmo_core.bilm.lstm_math import reference_gates, stacked
+from elmo_core.bilm.manylangs import Dictionaries, read_model, spelling, write_model
 from elmo_core.bilm.packing import Packing, TokenBatch, with_boundaries
-from elmo_core.bilm.weights import forget_gate_bias, read_model_files, write_model_files
-from elmo_core.config import CharCNNConfig, LstmConfig, ModelConfig
+from elmo_core.bilm.weights import forget_gate_bias
+from elmo_core.config import CharCNNConfig, LstmConfig, ManyLangsConfig, ModelConfig
 from elmo_core.errors import WeightFileError
-from elmo_core.text.chars import BOS_TOKEN, EOS_TOKEN, N_CHARS, PAD_ID, distinct_rows, tokens_to_char_array
+from elmo_core.text.chars import N_CHARS, PAD_ID
 
 Clips = tuple[float | None, float | None]  # (cell_clip, proj_clip)
 
@@ -60,11 +61,11 @@ ConvMax = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 class CharCNN(nn.Module):
     """(N, C) char ids ─► (N, F): embed chars, one 1-D conv per width, max over positions, activation."""
 
-    def __init__(self, config: CharCNNConfig) -> None:
+    def __init__(self, config: CharCNNConfig, n_chars: int = N_CHARS, pad_id: int = PAD_ID) -> None:
         super().__init__()
         dim = config.embedding.dim
         # Row 0 is the padding-token row of the +1 scheme: always zero, never trained.
-        self.char_embedding = nn.Embedding(N_CHARS, dim, padding_idx=0)
+        self.char_embedding, self.pad_id = nn.Embedding(n_chars, dim, padding_idx=0), pad_id
         self.convs = nn.ModuleList(nn.Conv1d(dim, count, width) for width, count in config.filters)
         self.max_width = max(width for width, _ in config.filters)
         self.activation = torch.relu if config.activation == "relu" else torch.tanh
@@ -75,7 +76,7 @@ class CharCNN(nn.Module):
         # Positions after a word's end-of-word marker hold the in-word padding id, and every window lying
         # wholly in that padding gives the same value. Convolving up to the longest word plus the widest
         # filter keeps at least one such window, so the max over positions is unchanged and the work halves.
-        content = (char_ids != PAD_ID) * torch.arange(1, char_ids.shape[-1] + 1, device=char_ids.device)
+        content = (char_ids != self.pad_id) * torch.arange(1, char_ids.shape[-1] + 1, device=char_ids.device)
         keep = int(content.amax()) + self.max_width if char_ids.numel() else char_ids.shape[-1]
         if keep < char_ids.shape[-1]:
             char_ids = char_ids[..., :keep]
@@ -113,20 +114,23 @@ class Highway(nn.Module):
 
 
 class TokenEncoder(nn.Module):
-    """(N, C) char ids ─► (N, P) token embeddings: char CNN, highway layers, linear projection."""
+    """(N, C) char ids ─► (N, P): char CNN, highway layers, linear projection (ManyLangs: of [word; highway(cnn)])."""
 
-    def __init__(self, config: CharCNNConfig, projection_dim: int) -> None:
+    def __init__(self, config: CharCNNConfig, projection_dim: int, ml: ManyLangsConfig | None, pad_id: int) -> None:
         super().__init__()
-        self.char_cnn = CharCNN(config)
-        n_filters = config.n_filters
+        self.char_cnn = CharCNN(config, ml.n_characters + 1 if ml else N_CHARS, pad_id)
+        n_filters, word_dim = config.n_filters, ml.word_dim if ml else 0
         self.highways = nn.ModuleList(Highway(n_filters) for _ in range(config.n_highway))
-        # bilm-tf creates the projection only when F != P
-        self.projection = nn.Linear(n_filters, projection_dim) if n_filters != projection_dim else None
+        self.word_embedding = nn.Embedding(max(ml.n_words, 1), word_dim) if ml else None  # ManyLangs: width 0 or more
+        # bilm-tf creates the projection only when F != P; ELMoForManyLangs always has one
+        self.projection = nn.Linear(n_filters + word_dim, projection_dim) if ml or n_filters != projection_dim else None
 
     def forward(self, char_ids: Tensor, conv_max: ConvMax | None = None) -> Tensor:
-        x = self.char_cnn(char_ids, conv_max)
+        x = self.char_cnn(char_ids[..., :-1] if self.word_embedding is not None else char_ids, conv_max)
         for highway in self.highways:
             x = highway(x)
+        if self.word_embedding is not None:  # the row's last id is the word's + 1
+            x = torch.cat([self.word_embedding((char_ids[..., -1] - 1).clamp(min=0)), x], dim=-1)
         return x if self.projection is None else self.projection(x)
 
 
@@ -408,18 +412,17 @@ class BiLM(nn.Module):
     for bilm-tf's stateful protocol (``inference.StateCarry`` does so across batches of changing size).
     """
 
-    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None) -> None:
+    def __init__(self, config: ModelConfig, vocab: Sequence[str] | None = None, dics: Dictionaries | None = None):
         super().__init__()
-        self.config = config
-        p = config.lstm.projection_dim
-        self.token_encoder = TokenEncoder(config.char_cnn, p)
+        self.config, self.dictionaries, p = config, dics, config.lstm.projection_dim  # dics: a ManyLangs model's
+        self.spelling = spelling(config.char_cnn.max_characters_per_token, config.manylangs is not None, dics)
+        self.token_encoder = TokenEncoder(config.char_cnn, p, config.manylangs, self.spelling.pad_id)
         self.lstm = ElmoLstm(config.lstm)
         # bilm-tf's softmax: one (V, P) table and bias shared by both directions
         self.softmax = nn.Linear(p, config.n_tokens_vocab) if config.n_tokens_vocab else None
         self.vocab: list[str] | None = list(vocab) if vocab is not None else None  # the softmax's words
         self.runs = KernelChoice(config.lstm)  # what runs each call, chosen once (``prepare``, ``prepare_training``)
-        boundaries = tokens_to_char_array([BOS_TOKEN, EOS_TOKEN], config.char_cnn.max_characters_per_token)
-        self.register_buffer("boundary_char_ids", torch.from_numpy(boundaries).long(), persistent=False)
+        self.register_buffer("boundary_char_ids", torch.from_numpy(self.spelling.boundary_rows()), persistent=False)
 
     # --- weight files ----------------------------------------------------------------------------
     @classmethod
@@ -431,10 +434,10 @@ class BiLM(nn.Module):
         vocab_file: str | None = None,
         precision: str = "fp32",
     ) -> BiLM:
-        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory), in eval mode,
-        prepared for inference in ``precision``."""
-        config, state_dict, vocab = read_model_files(options_file, weight_file, vocab_file)
-        model = cls(config, vocab=vocab)
+        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory, or a released
+        ELMoForManyLangs folder), in eval mode, prepared for inference in ``precision``."""
+        config, state_dict, vocab, dictionaries = read_model(options_file, weight_file, vocab_file)
+        model = cls(config, vocab=vocab, dics=dictionaries)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         if missing or unexpected:
             raise WeightFileError(
@@ -445,8 +448,8 @@ class BiLM(nn.Module):
         return model
 
     def save_pretrained(self, directory: str) -> None:
-        """Write options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged."""
-        write_model_files(directory, self.config, self.state_dict(), self.vocab)
+        """Write options.json + weights.hdf5 (+ vocab.txt; a ManyLangs model's dictionaries) as bilm-tf writes them."""
+        write_model(directory, self.config, self.state_dict(), self.vocab, self.dictionaries)
 
     @property
     def output_dim(self) -> int:
@@ -494,7 +497,7 @@ class BiLM(nn.Module):
     def _distinct_chars(self, flat: Tensor, kernels: Kernels | None) -> tuple[Tensor, Tensor]:
         """(N, C) char ids ─► table (U + 1, P) of the distinct words' embeddings (last row zero) and index (N,)."""
         real = (flat > 0).any(-1)
-        unique, inverse = distinct_rows(flat[real])
+        unique, inverse = self.spelling.distinct(self.spelling.own(flat)[real])  # a ManyLangs model's own rows
         if unique.shape[0]:
             encoded = self._encode(unique, kernels)
         else:
@@ -507,13 +510,12 @@ class BiLM(nn.Module):
     def token_embeddings(self, tokens: Sequence[str], batch_size: int = 1024) -> Tensor:
         """(V, P) context-independent embeddings of ``tokens`` (bilm-tf ``dump_token_embeddings``), in the
         prepared precision."""
-        max_chars = self.config.char_cnn.max_characters_per_token
         chunks = []
         with torch.no_grad():
             kernels = self.runs.for_call(self.device)
             with _precision_of(kernels):
                 for start in range(0, len(tokens), batch_size):
-                    ids = torch.from_numpy(tokens_to_char_array(tokens[start : start + batch_size], max_chars)).long()
+                    ids = torch.from_numpy(self.spelling.rows(tokens[start : start + batch_size])).long()
                     chunks.append(self._encode(ids.to(self.device), kernels))
         return torch.cat(chunks) if chunks else torch.zeros(0, self.config.lstm.projection_dim, device=self.device)
 
@@ -531,7 +533,7 @@ class BiLM(nn.Module):
         if inputs.dim() not in (2, 3):
             raise ValueError(f"expected (B, T, C) char ids or (B, T) token ids, got shape {tuple(inputs.shape)}")
         if inputs.dim() == 3:
-            ids, lengths, mask = with_boundaries(inputs, self.boundary_char_ids[0], self.boundary_char_ids[1])
+            ids, lengths, mask = with_boundaries(self.spelling.own(inputs), *self.boundary_char_ids)
             table, index = self._distinct_chars(ids.view(-1, ids.shape[-1]), kernels)
             return TokenBatch(table, index.view(ids.shape[:2]), None, lengths, mask, boundaries=True)
         boundary = self._encode(self.boundary_char_ids, kernels)

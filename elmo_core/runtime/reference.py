@@ -8,6 +8,7 @@ What a user may name as a model:
     models:/elmo/latest                its highest version, now
     models:/elmo@champion              the version an alias points at, now
     runs:/RUN/model                    a run's logged model
+    zhs.model                          a released ELMoForManyLangs folder (config.json, char.dic, word.dic, *.pkl)
 
 A registered model is downloaded once per machine into the download cache (``$ELMO_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/elmo``, else ``~/.cache/elmo``), keyed by what identifies its files: the store, the name, the
@@ -16,6 +17,10 @@ anew). ``latest`` and aliases are asked of the registry on every resolve, so the
 the version they name are downloaded only the first time. Concurrent resolvers wait for one download (a lock per
 entry); an entry appears whole (downloaded beside, then renamed), so a killed download leaves nothing it could
 mistake for a model.
+
+A released ELMoForManyLangs folder is converted once into a model folder that keeps its dictionaries
+(``bilm.manylangs.convert_release``), in the same cache under ``releases/``, keyed by the folder and the sizes and
+times of its files: every command then opens that folder as any other, and only the conversion reads their pickles.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from elmo_core import tracking
 from elmo_core.config import OPTIONS_NAME, resolve_model_files
 from elmo_core.errors import InputError
 from elmo_core.fileio import FolderLock
+from elmo_core.text.manylangs_chars import is_release
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +108,8 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
     path = Path(reference.removeprefix("file://"))
     if not path.exists():
         raise InputError(f"{reference}: no such model directory or options file")
+    if is_release(path):
+        return _release(reference, path, weight_file)
     if path.is_dir() and not (path / OPTIONS_NAME).exists():
         raise InputError(
             f"{path}: no {OPTIONS_NAME}; a model is a directory with options.json and weights.hdf5, a published "
@@ -112,6 +120,32 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
         raise InputError(f"{weights}: no such weight file" + (" (--weight-file)" if weight_file else ""))
     origin = "a model directory" if path.is_dir() else "published files"
     return ModelRef(reference, options, weights, vocab, origin)
+
+
+def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:
+    """A released ELMoForManyLangs folder as a model folder of this project, converted the first time (only then
+    is torch imported: the pickles are read); ``weight_file`` may name the folder or a file in it (AllenNLP's
+    ``ElmoEmbedder(folder, folder)``), nothing else."""
+    if weight_file is not None and Path(weight_file).resolve() not in (folder.resolve(), *folder.resolve().iterdir()):
+        raise InputError(
+            f"{weight_file}: an ELMoForManyLangs folder ({folder}) carries its weights; give no weight file"
+        )
+    stamps = sorted((p.name, *_stamp(p)) for p in folder.iterdir() if p.is_file())
+    identity = json.dumps({"release": str(folder.resolve()), "files": stamps})
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).strip("-") or "release"
+    entry = cache_root() / "releases" / f"{label}-{key}"
+    how = "cached"
+    if not (entry / OPTIONS_NAME).exists():
+        with FolderLock(entry.with_name(entry.name + ".lock"), entry, wait=True):
+            if not (entry / OPTIONS_NAME).exists():  # another process may have converted it while this one waited
+                from elmo_core.bilm.manylangs import convert_release
+
+                log.info("%s: an ELMoForManyLangs release; converting it once into %s", folder, entry)
+                convert_release(folder, entry)
+                how = "converted"
+    options, weights, vocab = resolve_model_files(entry)
+    return ModelRef(asked, options, weights, vocab, f"an ELMoForManyLangs release, {how} in {entry}")
 
 
 def _registered(uri: str) -> ModelRef:
