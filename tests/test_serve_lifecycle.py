@@ -82,7 +82,8 @@ def test_sigterm_turns_ready_503_serves_through_the_drain_delay_then_exits(tmp_p
         _until(lambda: httpx.get(f"{base}/ready").status_code == 503, "/ready 503", timeout=1)
         assert httpx.get(f"{base}/ready").json()["state"] == "stopping"
         assert httpx.get(f"{base}/health").status_code == 200
-        assert httpx.post(f"{base}/embed", json={"sentences": ["still served"]}).status_code == 200
+        served = httpx.post(f"{base}/embed", json={"sentences": ["still served"]})
+        assert served.status_code == 200 and served.headers["connection"] == "close"  # the next one elsewhere
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         with ThreadPoolExecutor(1) as pool:

@@ -168,10 +168,12 @@ def _request_id(scope: dict) -> str:
 class AccessLog:
     """ASGI middleware, outermost: every request gets its id (``X-Request-ID`` taken or made, and echoed on the
     answer) and, with ``--access-log``, one JSON line once answered: id, method, path, status, and for embeddings the
-    sentences, tokens, milliseconds in the queue and in the model processes, and in all."""
+    sentences, tokens, milliseconds in the queue and in the model processes, and in all. From SIGTERM on, answers
+    also say ``Connection: close``: a client holding a connection to this replica opens its next one through the
+    load balancer, to another, instead of meeting this one's listener closed."""
 
     def __init__(self, app: Any, server: Server) -> None:
-        self.app, self.enabled = app, server.config.access_log
+        self.app, self.server, self.enabled = app, server, server.config.access_log
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -184,7 +186,10 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                if self.server.draining:
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             await send(message)
 
         try:
