@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from elmo_core.bilm.manylangs import convert_release, is_release
 from elmo_core.bilm.model import BiLM
 from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
 from elmo_core.errors import CheckpointError
@@ -31,8 +32,12 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
     """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
     run itself exports) ─► a bilm-tf/AllenNLP model directory.
 
-    Returns (step, the file used)."""
+    Returns (step, the file used). A released ELMoForManyLangs folder is converted instead (step 0): a model
+    directory that keeps its char.dic and word.dic (``bilm.manylangs.convert_release``), ready for MLflow."""
     source = Path(checkpoint_or_run)
+    if is_release(source):
+        convert_release(source, out)
+        return 0, source
     if source.is_dir():
         found = load_newest_valid(source)
         if found is None:
