@@ -65,9 +65,10 @@ class DiskFullError(ElmoError):
 
 
 # How each library says "no space": Python's OSError (errno 28 ENOSPC, 122 EDQUOT) and the libraries that keep only
-# its text: DuckDB (IOException / TransactionException), pyarrow ("[Errno 28] ..."), h5py ("errno = 28" in HDF5's
-# message), torch's writer (``inline_container.cc``: "unexpected pos N vs M", "file write failed"), SQLite under
-# MLflow ("database or disk is full").
+# its text: DuckDB (IOException / TransactionException: 'Could not write file "x.wal": No space left on device'),
+# pyarrow ("[Errno 28] ..."), h5py ("errno = 28" in HDF5's message), torch's writer (``inline_container.cc``:
+# "unexpected pos N vs M", "file write failed": a short write, with no errno), SQLite under MLflow ("database or disk
+# is full").
 _ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT on Linux (the errno module's values, fixed here for the texts)
 _TEXTS = (
     "no space left on device",
@@ -77,7 +78,6 @@ _TEXTS = (
     "errno 122",
     "errno = 122",
     "database or disk is full",
-    "could not write file",
     "file write failed",
     "unexpected pos ",
 )

@@ -155,6 +155,17 @@ def _room(out: str | Path, step: int, size: int, keep: int) -> None:
     require_space(directory, needed, f"the checkpoints from step {step} (keep {keep})", advice)
 
 
+def _write_or_say_full(out: str | Path, path: Path, payload: dict[str, Any]) -> Path:
+    """``_write_with_digest``; a write that fails for lack of space is one ``DiskFullError`` naming the last verified
+    checkpoint of the run in ``out`` (what a rerun with ``--resume`` continues from)."""
+    try:
+        return _write_with_digest(path, payload)
+    except Exception as exc:
+        if isinstance(exc, NoSpaceError) or not disk_full(exc):
+            raise
+        raise disk_full_error(path.parent, last_verified(out), exc, RESUME) from exc
+
+
 def write_checkpoint(out: str | Path, step: int, payload: dict[str, Any], keep: int) -> Path:
     """Save ``payload`` as ``step-<step>.pt`` with its digest; keep only the newest ``keep`` checkpoints. A write the
     disk has no room for is refused (``NoSpaceError``) or, failing anyway, one ``DiskFullError``; either names the
@@ -162,12 +173,7 @@ def write_checkpoint(out: str | Path, step: int, payload: dict[str, Any], keep: 
     directory = checkpoint_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
     _room(out, step, payload_bytes(payload), keep)
-    try:
-        path = _write_with_digest(directory / f"step-{step:09d}.pt", payload)
-    except Exception as exc:
-        if isinstance(exc, NoSpaceError) or not disk_full(exc):
-            raise
-        raise disk_full_error(directory, last_verified(out), exc, RESUME) from exc
+    path = _write_or_say_full(out, directory / f"step-{step:09d}.pt", payload)
     for old in list_checkpoints(out)[:-keep]:
         old.unlink()
     for digest in directory.glob(PATTERN + ".sha256"):
@@ -239,7 +245,7 @@ def write_best(out: str | Path, step: int, payload: dict[str, Any]) -> Path:
     previous best: a crash at any point leaves one complete best file with its digest."""
     directory = checkpoint_dir(out)
     directory.mkdir(parents=True, exist_ok=True)
-    path = _write_with_digest(directory / f"best-{step:09d}.pt", payload)
+    path = _write_or_say_full(out, directory / f"best-{step:09d}.pt", payload)
     for old in _bests(out):
         if old != path:
             old.unlink()
