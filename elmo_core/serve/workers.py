@@ -227,9 +227,15 @@ class WorkerPool:
         if pause == 0:
             self._spawn(worker)
         else:  # the pause on a timer thread, the spawn back in the event loop's thread
-            timer = threading.Timer(pause, self.call, args=(self._respawn, worker))
+            timer = threading.Timer(pause, self._respawn_soon, args=(worker,))
             timer.daemon = True
             timer.start()
+
+    def _respawn_soon(self, worker: Worker) -> None:
+        try:
+            self.call(self._respawn, worker)
+        except RuntimeError:  # the event loop is closed: serving ended during the pause
+            pass
 
     def _respawn(self, worker: Worker) -> None:
         if not self.closing:
