@@ -211,7 +211,7 @@ def read_pkl(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), "")
+        reason = next((line.strip() for line in str(exc).splitlines() if "unsupported" in line.lower()), "")
         if "Weights only load failed" in str(exc) and reason:
             raise WeightFileError(
                 f"{path}: refused: not a plain state dict, loading it would run code ({reason})"
