@@ -42,7 +42,7 @@ ROOMS = {
     "data": ["vocab", "batches", "prefetch", "__init__"],
     "bilm": [
         *("weights", "manylangs", "inference", "lstm_math", "kernels", "packing", "model", "scalar_mix"),
-        *("initialization", "softmax", "__init__"),
+        *("initialization", "softmax", "fine_tune", "__init__"),
     ],
     "bilm.kernels": [
         *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells", "choice"),
