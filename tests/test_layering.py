@@ -45,8 +45,8 @@ ROOMS = {
         *("initialization", "softmax", "fine_tune", "__init__"),
     ],
     "bilm.kernels": [
-        *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells", "choice"),
-        "__init__",
+        *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells"),
+        *("cuda_graphs", "layer_steps", "choice", "__init__"),
     ],
     "train": [
         *("checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),

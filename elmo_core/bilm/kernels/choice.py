@@ -1,7 +1,9 @@
 """What runs a model, chosen once and printable: ``Kernels`` for inference (``choose``), ``TrainingKernels`` for
 calls with gradients (``choose_training``).
 
-``BiLM.prepare(precision)`` calls ``choose`` and keeps the result; every inference call then runs what it says.
+``BiLM.prepare(precision)`` calls ``choose`` and keeps the result; every inference call then runs what it says: on a
+CPU the prepared cells and their C kernels, on CUDA a clipped model's layers a layer at a time (``layer_steps``:
+compiled steps replayed as CUDA graphs), a model without clips PyTorch's ``nn.LSTM``.
 ``BiLM.prepare_training()`` (the trainer calls it, and logs it) calls ``choose_training``: calls with gradients run
 the reference arithmetic of ``model.py``; on a CPU where the C loops build, each LSTM step is one autograd node with
 its gates in C, and the char CNN's backward is sparse at each max's position.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,10 +21,11 @@ import torch
 from torch import nn
 
 from elmo_core import cpu
-from elmo_core.bilm.kernels import char_cnn, fused_gates, int8, packed, trained_step
+from elmo_core.bilm.kernels import char_cnn, cuda_graphs, fused_gates, int8, layer_steps, packed, trained_step
 from elmo_core.bilm.kernels import step_loop as step_loop_module
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.kernels.cells import CpuCell
+from elmo_core.bilm.kernels.layer_steps import LayerCell
 from elmo_core.config import LstmConfig
 from elmo_core.precision import autocast, cpu_has_native_bf16, native_bf16, resolve_precision
 
@@ -41,11 +45,13 @@ def runs_nn_lstm(lstm: LstmConfig, precision: str, forced: bool | None) -> bool:
 class Kernels:
     """The inference kernels of one model on one device, in one precision.
 
-    ``cpu_cells``: the LSTM steps run ``cells.CpuCell`` (weights prepared once; else ``model.LstmCell``, the
-    reference, as on CUDA). ``min_packed``: weights of at least this many elements per direction run their per-step
-    products on oneDNN-packed copies (None: never). ``gate_kernel``: the gate arithmetic runs in C.
-    ``packed_weights`` names which of this model's weights that makes, for the log. In ``int8`` the "packed"
-    weights are int8 ones (``kernels.int8``), every per-step product's.
+    ``cpu_cells``: the LSTM steps run this choice's own cell (``cell``): ``cells.CpuCell`` (weights prepared once),
+    or ``layer_steps.LayerCell`` where ``layer_at_once`` (CUDA's default; on a CPU where forced); else
+    ``model.LstmCell``, the reference. ``compiled`` and ``graphs``: how ``LayerCell`` runs its steps
+    (``torch.compile``, CUDA graphs), ``layer_note`` why either is off. ``min_packed``: weights of at least this many
+    elements per direction run their per-step products on oneDNN-packed copies (None: never). ``gate_kernel``: the
+    gate arithmetic runs in C. ``packed_weights`` names which of this model's weights that makes, for the log. In
+    ``int8`` the "packed" weights are int8 ones (``kernels.int8``), every per-step product's.
     """
 
     device: str
@@ -57,6 +63,10 @@ class Kernels:
     packed_weights: str = ""
     gate_kernel_note: str = ""
     step_loop: bool = False  # fp32: a layer's steps in one C call (``step_loop``), every one or the last few
+    layer_at_once: bool = False  # the steps run ``layer_steps.LayerCell`` (a whole layer per call, fixed shapes)
+    compiled: bool = False
+    graphs: bool = False
+    layer_note: tuple[str, str] = ("", "")  # (torch.compile's backend or why not, CUDA graphs or why not)
     cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
 
     def __str__(self) -> str:
@@ -64,6 +74,9 @@ class Kernels:
             return f"precision {self.precision} on {self.device}: {NN_LSTM}"
         if not self.cpu_cells:
             return f"precision {self.precision} on {self.device}: the reference LSTM cell (PyTorch ops, autocast)"
+        if self.layer_at_once:
+            how = layer_steps.describe(self.compiled, self.graphs, *self.layer_note)
+            return f"precision {self.precision} on {self.device}: {how}"
         products = (
             f"LSTM step products in int8 {self.packed_weights} ({int8.describe()})"
             if self.precision == "int8"
@@ -84,7 +97,10 @@ class Kernels:
         """The autocast context the model runs in: bf16 products where asked (and on the reference cell)."""
         return autocast(self.device, self.precision)
 
-    def cell(self, pair: Sequence[nn.LSTM], clips: tuple[float | None, float | None]) -> CpuCell:
+    def cell(self, pair: Sequence[nn.LSTM], clips: tuple[float | None, float | None]) -> CpuCell | LayerCell:
+        if self.layer_at_once:
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+            return LayerCell(pair, clips, dtype=dtype, cache=self.cache, compiled=self.compiled, graphs=self.graphs)
         return CpuCell(
             pair,
             clips,
@@ -99,7 +115,7 @@ class Kernels:
     def token_encoder(self, encoder: nn.Module) -> nn.Module:
         """The token encoder to run: in bf16 on the CPU, a bfloat16 copy made once per weight version (autocast
         would cast the same weights on every call; the numbers are the same)."""
-        if not (self.cpu_cells and self.precision == "bf16"):
+        if not (self.device == "cpu" and self.cpu_cells and self.precision == "bf16"):
             return encoder
         return self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))
 
@@ -122,15 +138,23 @@ def choose(
     gate_kernel: bool | None = None,
     nn_lstm: bool | None = None,
     step_loop: bool | None = None,
+    layer_at_once: bool | None = None,
+    compiled: bool | None = None,
+    graphs: bool | None = None,
 ) -> Kernels:
     """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
     else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
     gate kernel where it builds; on CUDA the reference. Each choice can be forced (the tests run every combination);
     ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In fp32 with the C
-    library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or ``ELMO_NO_STEP_LOOP=1``: never)."""
+    library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or ``ELMO_NO_STEP_LOOP=1``: never).
+    On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
+    the reference), its steps compiled where ``torch.compile`` runs (``compiled``; ``ELMO_NO_COMPILE=1``) and
+    replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where ``layer_at_once=True``."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
+    if _layer_at_once(device, layer_at_once):
+        return _layer_kernels(device, precision, compiled, graphs)
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
         return Kernels(device.type, precision, cpu_cells=False)
@@ -156,6 +180,33 @@ def choose(
         packed_weights=_describe_packing(lstm, min_packed, why_not),  # type: ignore[arg-type]
         gate_kernel_note=gate_note,
         step_loop=precision == "fp32" and bool(gate_kernel) and step_loop is not False and step_loop_module.on(),
+    )
+
+
+def _layer_at_once(device: torch.device, forced: bool | None) -> bool:
+    """``LayerCell`` by default on CUDA (measured on the CPU: its C kernels are faster, ``docs/what-runs.md``)."""
+    if forced is not None:
+        return forced
+    return device.type == "cuda" and os.environ.get("ELMO_NO_LAYER_STEPS") != "1"
+
+
+def _layer_kernels(device: torch.device, precision: str, compiled: bool | None, graphs: bool | None) -> Kernels:
+    """``LayerCell``'s kernels: compiled where ``torch.compile`` runs here, CUDA graphs on CUDA (each forced off by
+    False; forced on where it cannot run, it is off with the reason printed)."""
+    can_compile, compile_note = layer_steps.compile_available(device)
+    can_graph, graphs_note = cuda_graphs.available(device)
+    if compiled is False:
+        can_compile, compile_note = False, "not chosen"
+    if graphs is False:
+        can_graph, graphs_note = False, "not chosen"
+    return Kernels(
+        device.type,
+        precision,
+        cpu_cells=True,
+        layer_at_once=True,
+        compiled=can_compile,
+        graphs=can_graph,
+        layer_note=(compile_note, graphs_note),
     )
 
 
