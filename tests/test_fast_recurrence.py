@@ -173,3 +173,22 @@ def test_the_compiled_step_on_the_tensorflow_fixture_and_in_bf16(allennlp_dir, f
         for a, b in zip(exact, bilm.embed_sentences(sentences, precision="bf16"), strict=True):
             cosines = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
             assert cosines.min() >= 0.999
+
+
+def test_the_runtime_s_token_budget_is_the_cpu_s_default_here_and_grows_with_a_gpu_s_memory(allennlp_dir):
+    from elmo_core.config import preset
+    from elmo_core.runtime import Runtime
+    from elmo_core.runtime.engine import CUDA_MAX_BATCH_TOKENS, MAX_BATCH_TOKENS, bytes_per_token, cuda_budget
+
+    runtime = Runtime.open(str(allennlp_dir), device="cpu")
+    assert runtime.max_batch_tokens == MAX_BATCH_TOKENS == 8192
+    assert "8,192 padded tokens a pass (the cpu's default)" in runtime.line()
+    assert runtime.facts()["max_batch_tokens_why"] == "the cpu's default"
+    assert Runtime.open(str(allennlp_dir), device="cpu", max_batch_tokens=64).budget_why == "asked for"
+    original = preset("original")
+    assert bytes_per_token(original) == 4 * (2 * 4 * 4096 + 2 * 3 * 2 * 512)  # 152 KiB: the input gates dominate
+    h100, why = cuda_budget(80 << 30, original)
+    assert h100 == CUDA_MAX_BATCH_TOKENS and why.startswith("CUDA: a quarter of 80 GiB at 152 KiB a padded token")
+    small_gpu = cuda_budget(16 << 30, original)[0]
+    assert MAX_BATCH_TOKENS < small_gpu < h100 and small_gpu % 1024 == 0
+    assert cuda_budget(2 << 30, original)[0] == MAX_BATCH_TOKENS  # never below the CPU's

@@ -8,7 +8,8 @@ Opening it resolves the model reference (``reference``: folders, published files
 cache), the device and precision (``placement.place``, or a plan's ``Placement`` as it is), this process's
 threads (``placement.take_threads``), and the kernels (``BiLM.prepare``, chosen once). It keeps what a process
 reuses: the loaded weights and the layer-0 word cache. ``run`` packs sentences into forward passes under its
-token budget (``inference.plan_batches``) and yields each batch's layers; ``embed`` shapes them as an ``Output``
+token budget (``token_budget``: the CPU's 8,192 padded tokens, more on a GPU by its memory; printed on the line;
+``inference.plan_batches``) and yields each batch's layers; ``embed`` shapes them as an ``Output``
 asks. The embedding stage, each server model process, the probes, evaluation, the MLflow pyfunc model and the
 AllenNLP drop-in all run a model through this class, so a sentence's vectors are the same whichever asked.
 """
@@ -34,11 +35,42 @@ from elmo_core.bilm.inference import (
     token_rows,
 )
 from elmo_core.bilm.model import BiLM
+from elmo_core.config import ModelConfig
 from elmo_core.runtime.output import ALL_LAYERS, Output
 from elmo_core.runtime.placement import Placement, place, take_threads
 from elmo_core.runtime.reference import ModelRef, resolve_model
 
 log = logging.getLogger(__name__)
+
+CUDA_MAX_BATCH_TOKENS = 65_536  # ~2,000 rows of 30 tokens a step: the recurrent product's rows fill an H100
+CUDA_MEMORY_SHARE = 0.25  # of the GPU's memory for one forward pass's per-token tensors: room for buckets and graphs
+
+
+def token_budget(device: torch.device, config: ModelConfig) -> tuple[int, str]:
+    """The padded tokens per forward pass on ``device``, and why: on a CPU ``MAX_BATCH_TOKENS`` (sized for its
+    caches; tokens/s is flat beyond it), on CUDA ``cuda_budget`` of the GPU's memory."""
+    if device.type != "cuda":
+        return MAX_BATCH_TOKENS, f"the {device.type}'s default"
+    return cuda_budget(torch.cuda.get_device_properties(device).total_memory, config)
+
+
+def cuda_budget(total: int, config: ModelConfig) -> tuple[int, str]:
+    """What ``CUDA_MEMORY_SHARE`` of ``total`` bytes holds of a forward pass's per-token tensors
+    (``bytes_per_token``), in steps of 1,024, from ``MAX_BATCH_TOKENS`` up to ``CUDA_MAX_BATCH_TOKENS``."""
+    per_token = bytes_per_token(config)
+    fits = int(total * CUDA_MEMORY_SHARE) // per_token // 1024 * 1024
+    tokens = max(MAX_BATCH_TOKENS, min(CUDA_MAX_BATCH_TOKENS, fits))
+    return tokens, (
+        f"CUDA: a quarter of {total / 2**30:.0f} GiB at {per_token / 1024:.0f} KiB a padded token, "
+        f"{MAX_BATCH_TOKENS:,} to {CUDA_MAX_BATCH_TOKENS:,}"
+    )
+
+
+def bytes_per_token(config: ModelConfig) -> int:
+    """A forward pass's float32 bytes per padded token at its peak: a layer's input gates, both directions (the
+    reference cell holds every step's at once), and the L+1 layers' outputs twice (kept, then stacked)."""
+    lstm = config.lstm
+    return 4 * (2 * 4 * lstm.dim + 2 * (lstm.n_layers + 1) * 2 * lstm.projection_dim)
 
 
 class Runtime:
@@ -52,10 +84,11 @@ class Runtime:
         threads: tuple[int, str],
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         word_cache_bytes: int = WORD_CACHE_BYTES,
+        budget_why: str = "asked for",
     ) -> None:
         self.model, self.bilm, self.placement = model, bilm, placement
         self.threads, self.threads_why = threads
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens, self.budget_why = max_batch_tokens, budget_why
         self.words = WordCache(bilm, word_cache_bytes)
 
     @classmethod
@@ -68,11 +101,12 @@ class Runtime:
         device: str = "auto",
         precision: str = "fp32",
         threads: int | None = None,
-        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        max_batch_tokens: int | None = None,
         word_cache_bytes: int = WORD_CACHE_BYTES,
     ) -> Runtime:
         """Resolve, place and load ``model``; ``placement`` (a plan's) is taken as it is, else ``device`` and
-        ``precision`` are resolved here. Logs ``line()``, the line every command that runs a model prints."""
+        ``precision`` are resolved here; ``max_batch_tokens`` None: ``token_budget`` of the device. Logs ``line()``,
+        the line every command that runs a model prints."""
         ref = model if isinstance(model, ModelRef) else resolve_model(model, weight_file)
         placement = placement if placement is not None else place(device, precision)
         taken = take_threads(threads)
@@ -83,7 +117,8 @@ class Runtime:
             vocab_file=str(ref.vocab) if ref.vocab else None,
             precision=placement.precision,
         )
-        runtime = cls(ref, bilm, placement, taken, max_batch_tokens, word_cache_bytes)
+        budget, why = (max_batch_tokens, "asked for") if max_batch_tokens else token_budget(bilm.device, bilm.config)
+        runtime = cls(ref, bilm, placement, taken, budget, word_cache_bytes, why)
         log.info("%s", runtime.line())
         return runtime
 
@@ -112,7 +147,8 @@ class Runtime:
         """One line of everything resolved: the same in ``elmo info MODEL`` and every command that runs a model."""
         return (
             f"{self.model.line()}: {self.shape()}; on {self.placement.line()}; {self.threads} threads "
-            f"({self.threads_why}); kernels: {self.bilm.kernels}"
+            f"({self.threads_why}); {self.max_batch_tokens:,} padded tokens a pass ({self.budget_why}); "
+            f"kernels: {self.bilm.kernels}"
         )
 
     def facts(self) -> dict[str, Any]:
@@ -129,6 +165,7 @@ class Runtime:
             "layers": self.num_layers,
             "dim": self.output_dim,
             "max_batch_tokens": self.max_batch_tokens,
+            "max_batch_tokens_why": self.budget_why,
             "cpu": cpu.describe(),
         }
 
