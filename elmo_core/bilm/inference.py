@@ -187,13 +187,16 @@ def token_rows(
     """Per batch (in order): its sentence indices, its L+1 layers as token rows (N, 2P) (the tokens of its first
     sentence, then the next, …) and each sentence's token count. Runs whatever the model was prepared with; the
     distinct words of each ``CACHE_TOKENS`` of work go through layer 0 once, or not at all where ``words`` (a
-    process's word cache) holds them."""
+    process's word cache) holds them. On CUDA each batch's ids go from pinned memory without blocking: the host
+    packs the next batch while the GPU still runs this one (the ids are tiny; the table is on the GPU already)."""
     words = words if words is not None else WordCache(bilm)
+    pinned = bilm.device.type == "cuda"  # page-locked host memory: the copy runs without the host waiting for it
     for chunk in _chunks(batches, sentences):
         cache = words.table(sorted({token for batch in chunk for i in batch for token in sentences[i]}))
         table = cache.table.to(bilm.device)
         for batch in chunk:
-            ids = cache.ids([sentences[i] for i in batch]).to(bilm.device, non_blocking=True)
+            ids = cache.ids([sentences[i] for i in batch])
+            ids = (ids.pin_memory() if pinned else ids).to(bilm.device, non_blocking=True)
             state = carry.take(len(batch)) if carry is not None else None
             layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=table)
             if carry is not None:
