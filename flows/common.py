@@ -25,7 +25,7 @@ from prefect import get_run_logger, task, unmapped  # noqa: E402  (after the env
 from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
 from prefect.futures import as_completed  # noqa: E402
 
-from elmo_core.errors import DiskFullError, ElmoError  # noqa: E402
+from elmo_core.errors import DiskFullError, ElmoError, disk_full  # noqa: E402
 from elmo_core.fileio import as_disk_full, output_of  # noqa: E402
 from elmo_core.progress import Progress, add_sink, format_amount, track  # noqa: E402
 from elmo_core.stage import Stage  # noqa: E402
@@ -107,10 +107,12 @@ def stage(fn: F) -> F:
 
 class _UserErrorsOnce(logging.Filter):
     """Prefect logs a failing run's exception with its traceback, and then the run's final state with the message.
-    For an ``ElmoError`` (a user error whose message says what to fix) only the state line is kept."""
+    For an ``ElmoError`` (a user error whose message says what to fix) and a full disk (the flow's one line says
+    which folder) only the state line is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], ElmoError))
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, ElmoError) or disk_full(error))
 
 
 for _logger in ("prefect.task_runs", "prefect.flow_runs"):
