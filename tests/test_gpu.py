@@ -108,3 +108,165 @@ def test_two_gpu_ranks_train_with_nccl_to_identical_weights(tmp_path, bilm_tf_di
     subprocess.run([sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config)], check=True, timeout=600)
     digests = json.loads((tmp_path / "run" / "ddp_weights.json").read_text())
     assert len(digests) == 2 and len(set(digests)) == 1
+
+
+# ----- the clipped recurrence a layer at a time (kernels/layer_steps.py), the batch job and the server on CUDA -----
+
+NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}  # cuDNN's convolutions in true fp32 in a process started with it
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 products and convolutions without TF32 in this process: the fixtures' 1e-5 is a float32 promise."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+LAYER_CHOICES = [
+    {"compiled": True, "graphs": True},  # CUDA's default
+    {"compiled": False, "graphs": True},
+    {"compiled": True, "graphs": False},
+]
+
+
+def _stateful_protocol_error(bilm: BiLM, fixture_sentences, expected_pattern) -> float:
+    """The TensorFlow fixtures' stateful protocol (``tests/test_model_fixtures.py``) with the model on CUDA."""
+    import h5py
+
+    from elmo_core import batch_to_ids
+
+    state, worst = None, 0.0
+    with torch.no_grad():
+        for i in range(10):
+            batch = [fixture_sentences[k][i].split() for k in range(3)]
+            out = bilm(batch_to_ids(batch).cuda(), state=state)
+            state, top = out["state"], out["activations"][-1].cpu().numpy()
+            for k in range(3):
+                with h5py.File(str(expected_pattern).format(k=k)) as f:
+                    want = np.concatenate([f[str(i)][0], f[str(i)][1]], axis=-1)
+                worst = max(worst, float(np.abs(top[k, : len(batch[k])] - want).max()))
+    return worst
+
+
+@pytest.mark.parametrize("choices", LAYER_CHOICES)
+def test_the_fast_recurrence_is_the_reference_cell_on_cuda_in_fp32(no_tf32, choices, allennlp_dir, fixture_sentences):
+    """Against the reference ``LstmCell`` on the same GPU (1e-5, every layer and the state, from zero and from a
+    carried state) and against the TensorFlow fixture's stateful protocol (1e-5), rows dropping out as sentences end."""
+    from elmo_core import batch_to_ids
+
+    bilm = BiLM.from_pretrained(str(allennlp_dir), device="cuda")
+    kernels = bilm.prepare("fp32", **choices)
+    assert kernels.layer_at_once and kernels.graphs == choices["graphs"], kernels
+    assert kernels.compiled == choices["compiled"], f"torch.compile off on CUDA: {kernels}"
+    ids = batch_to_ids(SENTENCES[:3] + [["x"] * 90] + [[f"w{i}" for i in range(n)] for n in range(1, 30)]).cuda()
+    for state in (None, "carried"):
+        with torch.no_grad():
+            bilm.kernels = kernels
+            start = bilm(ids)["state"] if state else None
+            fast = bilm(ids, state=start)
+            bilm.kernels = None
+            reference = bilm(ids, state=start)
+        for x, y in zip(fast["activations"], reference["activations"], strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+        for x, y in zip(fast["state"], reference["state"], strict=True):
+            torch.testing.assert_close(x.float(), y.float(), atol=1e-5, rtol=0)
+    bilm.kernels = kernels
+    assert _stateful_protocol_error(bilm, fixture_sentences, allennlp_dir / "lm_embeddings_{k}.hdf5") < 1e-5
+
+
+def test_the_fast_recurrence_in_bf16_on_cuda_is_as_close_to_fp32_as_the_reference(allennlp_dir, fixture_sentences):
+    """bf16 (products in bfloat16, gates and cell in float32) by cosine to fp32, as tests/test_precision.py holds the
+    CPU's, and as close as the reference cell's own bf16 on the GPU."""
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    bilm = BiLM.from_pretrained(str(allennlp_dir), device="cuda")
+    sentences = [s.split() for k in fixture_sentences for s in k]
+    exact = bilm.embed_sentences(sentences)
+    assert bilm.prepare("bf16").layer_at_once
+    fast = bilm.embed_sentences(sentences, precision="bf16")
+    bilm.prepare("bf16", layer_at_once=False)
+    reference = bilm.embed_sentences(sentences, precision="bf16")
+    for layer in range(bilm.num_layers):
+        a, b, r = (np.concatenate([x[layer] for x in v]) for v in (exact, fast, reference))
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        cos_ref = (a * r).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(r, axis=1))
+        assert cos.min() >= 0.999 and np.abs(a - b).max() < 0.05
+        assert cos.min() >= cos_ref.min() - 1e-3
+
+
+def test_the_runtime_on_cuda_says_its_kernels_and_a_budget_from_the_gpu_s_memory(allennlp_dir):
+    from elmo_core.runtime import Runtime
+    from elmo_core.runtime.engine import MAX_BATCH_TOKENS
+
+    runtime = Runtime.open(str(allennlp_dir), device="cuda")
+    assert runtime.max_batch_tokens > MAX_BATCH_TOKENS and "CUDA: a quarter of" in runtime.budget_why
+    assert "the clipped LSTM a layer at a time" in runtime.line() and "replayed as CUDA graphs" in runtime.line()
+
+
+def _embed_table(tmp_path, allennlp_dir, device: str):
+    import pyarrow.dataset as ds
+
+    from tests.helpers import run_elmo
+
+    text = tmp_path / "text.txt"
+    lines = [" ".join(s) for s in SENTENCES if s] + [" ".join(f"w{i % 37}" for i in range(n)) for n in range(1, 60)]
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / f"emb-{device}"
+    command = ["embed", "--model", str(allennlp_dir), "--input", str(text), "--out", str(out), "--layers", "all"]
+    result = run_elmo(*command, "--device", device, env=NO_TF32)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = ds.dataset(str(out), format="parquet").to_table().to_pandas()
+    return table.sort_values(["doc_id", "sentence_id", "token_index"]).reset_index(drop=True), result.stderr
+
+
+def test_an_embedding_job_on_cuda_writes_the_cpu_s_table(tmp_path, allennlp_dir):
+    on_cpu, _ = _embed_table(tmp_path, allennlp_dir, "cpu")
+    on_gpu, log = _embed_table(tmp_path, allennlp_dir, "cuda")
+    assert "on cuda" in log and "a layer at a time" in log
+    assert list(on_gpu["token"]) == list(on_cpu["token"])
+    for column in [c for c in on_cpu.columns if c.startswith("layer_")]:
+        np.testing.assert_allclose(np.stack(on_gpu[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)
+
+
+def test_a_server_on_cuda_answers_what_the_runtime_gives(tmp_path, allennlp_dir):
+    import base64
+    import sys
+    import time
+
+    import httpx
+
+    from elmo_core.runtime import Runtime
+    from tests.helpers import free_port, start_server, stop_group
+
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "elmo_core.cli",
+        "serve",
+        str(allennlp_dir),
+        "--port",
+        str(port),
+        "--device",
+        "cuda",
+    ]
+    server = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300  # the model process compiles and captures on its first batches
+        while httpx.get(f"{base}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the CUDA server never became ready"
+            time.sleep(0.1)
+        sentences = [s for s in SENTENCES if s]
+        body = {"sentences": sentences, "output": "layers", "encoding": "base64"}
+        answer = httpx.post(f"{base}/embed", json=body, timeout=120).json()
+        info = httpx.get(f"{base}/info").json()
+        assert "cuda" in info["device"] and "a layer at a time" in info["kernels"], info
+    finally:
+        stop_group(server)
+    expected = Runtime.open(str(allennlp_dir), device="cuda").embed(sentences)
+    for item, want in zip(answer["data"], expected, strict=True):
+        got = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"])
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
