@@ -18,6 +18,12 @@ gets (the clients share those cores with the server: the figures include their c
 The burst: requests fired at 4x the capacity measured at the highest concurrency, for ``--burst-seconds``,
 whatever the answers; then every request must have been answered 200 or 429 (none lost, none hung past 60 s),
 and the server's peak RSS (its processes together) is set beside its idle RSS.
+
+``--replicas N`` measures something else instead: N servers (the cores split between them) behind the shipped HAProxy
+configuration (``deploy/haproxy.cfg``, HAProxy from the system), ``--replica-clients`` closed-loop clients that retry
+429 and 503 as OpenAI's client does, for ``--seconds``, then through a rolling restart of every replica and a
+``kill -9`` of one (``bench/replicas.py``, what ``tests/test_deploy.py`` runs), then ``--seconds`` again; printed:
+tokens/s and latency before, through and after, and the requests lost (not answered 200 in the end).
 """
 
 from __future__ import annotations
@@ -305,6 +311,69 @@ def check_answer(base: str, model_dir: Path, sentence: list[str]) -> float:
     return float(np.abs(served - lone).max())
 
 
+def replicas_run(model_dir: Path, work: Path, sentences: list[list[str]], args: argparse.Namespace) -> None:
+    """``--replicas N``: the servers behind HAProxy through a rolling restart and a kill, under closed-loop load."""
+    from replicas import Balancer, Load, Replica, core_shares, roll_and_kill
+
+    flags = ["--precision", args.precision]
+    shares = core_shares(args.replicas)
+    replicas = [
+        Replica(f"elmo{i}", model_dir, work / f"elmo{i}.log", flags, cores=cores) for i, cores in enumerate(shares, 1)
+    ]
+    balancer = Balancer(replicas, work)
+    bodies = [{"sentences": [s], "output": "mean", "encoding": "base64"} for s in sentences]
+    pinned = ", ".join(f"{r.name} on cores {sorted(r.cores)}" for r in replicas if r.cores) or "not pinned"
+    print(f"{args.replicas} replicas behind haproxy ({pinned}), {args.replica_clients} clients (httpx, asyncio)")
+    started = time.monotonic()
+    try:
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.wait_ready(300)
+        balancer.start()
+        for replica in replicas:
+            balancer.wait_state(replica.name, "UP")
+        load = Load(f"{balancer.url}/embed", bodies, clients=args.replica_clients, keep_answers=False).start()
+        try:
+            time.sleep(args.seconds)
+            roll_and_kill(
+                replicas, balancer, load, say=lambda line: print(f"  {time.monotonic() - started:6.1f} s  {line}")
+            )
+            load.mark("all back")
+            time.sleep(args.seconds)
+        finally:
+            outcomes = load.stop()
+        stats = balancer.stats()
+    finally:
+        balancer.close()
+        for replica in replicas:
+            replica.close()
+    times = dict((what, t) for t, what in load.marks)
+    first = next(t for t, what in load.marks if what.startswith("SIGTERM"))
+    phases = [("before", times["load starts"], first), ("through", first, times["all back"])]
+    phases.append(("after", times["all back"], times["load stops"]))
+    print(f"{'phase':<9}{'seconds':>9}{'answered':>10}{'tok/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
+    for name, start, end in phases:
+        done = [o for o in outcomes if o.status == 200 and start <= o.ended < end]
+        tokens = sum(len(sentences[o.index % len(sentences)]) for o in done)
+        q = np.percentile([o.ended - o.started for o in done], [50, 99]) * 1000 if done else [float("nan")] * 2
+        print(f"{name:<9}{end - start:>9.1f}{len(done):>10,}{tokens / (end - start):>9,.0f}{q[0]:>9.1f}{q[1]:>9.1f}")
+    lost: dict[str, int] = {}
+    for o in outcomes:
+        if o.status != 200:
+            lost[str(o.status)] = lost.get(str(o.status), 0) + 1
+    retried = sum(o.attempts > 1 for o in outcomes)
+    backend = stats["BACKEND"]
+    per_replica = ", ".join(f"{r.name} {int(stats[r.name]['hrsp_2xx'] or 0):,}" for r in replicas)
+    print(
+        f"requests {len(outcomes):,}, lost {sum(lost.values())}{f' {lost}' if lost else ''}; sent again by the clients (429/503): "
+        f"{retried}; by haproxy: {backend['wretr'] or 0} retries, {backend['wredis'] or 0} redispatched; "
+        f"answered 200 per replica: {per_replica}"
+    )
+    zero = times["load starts"]
+    print("events: " + ", ".join(f"{t - zero:.1f} s {what}" for t, what in load.marks))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="small")
@@ -320,6 +389,13 @@ def main() -> None:
     )
     parser.add_argument("--sentences", type=int, default=3000, help="the pool of real sentences requests cycle over")
     parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="N: instead, N servers behind deploy/haproxy.cfg through a rolling restart and a kill -9",
+    )
+    parser.add_argument("--replica-clients", type=int, default=64, help="--replicas' closed-loop clients")
     args = parser.parse_args()
     import resource
 
@@ -344,6 +420,9 @@ def main() -> None:
         init_bilm_tf(fresh)
         fresh.save_pretrained(str(model_dir))
         del fresh
+        if args.replicas:
+            replicas_run(model_dir, work, real, args)
+            return
         batch_job = ceiling(model_dir, real, args.precision, threads)
         batch_job_synthetic = ceiling(model_dir, synthetic, args.precision, threads)
         print(
