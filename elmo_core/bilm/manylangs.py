@@ -265,20 +265,12 @@ def _token_layer(config: ModelConfig, te: _Pkl) -> dict[str, torch.Tensor]:
         state[f"token_encoder.char_cnn.convs.{i}.bias"] = te.get(f"convolutions.{i}.bias", (count,))
     for k in range(cnn.n_highway):
         w, b = te.get(f"highways._layers.{k}.weight", (2 * f, f)), te.get(f"highways._layers.{k}.bias", (2 * f,))
-        state[f"token_encoder.highways.{k}.transform.weight"], state[f"token_encoder.highways.{k}.transform.bias"] = (
-            w[:f],
-            b[:f],
-        )
-        state[f"token_encoder.highways.{k}.carry.weight"], state[f"token_encoder.highways.{k}.carry.bias"] = (
-            -w[f:],
-            -b[f:],
-        )
-    if ml.word_dim:
-        state["token_encoder.word_embedding.weight"] = te.get(
-            "word_emb_layer.embedding.weight", (ml.n_words, ml.word_dim)
-        )
-    else:
-        state["token_encoder.word_embedding.weight"] = torch.zeros(1, 0)
+        ours = f"token_encoder.highways.{k}"
+        state[f"{ours}.transform.weight"], state[f"{ours}.transform.bias"] = w[:f], b[:f]
+        state[f"{ours}.carry.weight"], state[f"{ours}.carry.bias"] = -w[f:], -b[f:]  # σ(−z) = 1 − σ(z)
+    words = (ml.n_words, ml.word_dim)
+    table = te.get("word_emb_layer.embedding.weight", words) if ml.word_dim else torch.zeros(1, 0)
+    state["token_encoder.word_embedding.weight"] = table
     state["token_encoder.projection.weight"] = te.get("projection.weight", (p, ml.word_dim + f))
     state["token_encoder.projection.bias"] = te.get("projection.bias", (p,))
     return state
