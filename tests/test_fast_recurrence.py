@@ -68,6 +68,8 @@ def test_row_buckets_pad_at_most_a_third_and_chunks_cover_every_step_once():
         assert rows <= bucket and (bucket <= 8 or bucket * 2 < rows * 3)
     assert layer_steps.chunk_sizes(23) == [16, 4, 2, 1]
     assert all(sum(layer_steps.chunk_sizes(t)) == t for t in range(200))
+    assert layer_steps.allowed_chunks(1024) == (16, 8, 4, 2, 1) and layer_steps.allowed_chunks(4096) == (4, 2, 1)
+    assert layer_steps.allowed_chunks(65_536) == (1,) and layer_steps.chunk_sizes(7, (4, 2, 1)) == [4, 2, 1]
 
 
 def test_a_layer_at_once_is_the_reference_recurrence_with_state_in_and_out():

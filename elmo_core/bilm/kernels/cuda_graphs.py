@@ -48,7 +48,8 @@ class GraphPool:
                 work()
         current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: another thread's CUDA calls (a server's, a prefetch's) do not break this capture
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             work()
         restore()
         self.captured += 1

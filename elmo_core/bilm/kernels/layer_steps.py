@@ -10,8 +10,9 @@ the arithmetic it starts, and the batch job ran at a ninth of what training the 
 hands it every step at once) and runs it on fixed shapes:
 
 * the rows padded to a bucket (``row_bucket``: 8, 12, 16, 24, 32, 48, ... each at most 1.5x the one before), the
-  steps cut into chunks of 16, 8, 4, 2 and 1 (``chunk_sizes``: no step is padded). A row keeps its state from the
-  step its sentence ended (``torch.where`` on an ``alive`` mask), so every real row computes the reference's numbers;
+  steps cut into chunks of 16, 8, 4, 2 and 1 (``chunk_sizes``: no step is padded; a chunk holds at most
+  ``CHUNK_ROWS`` steps x rows, so the large buckets of short sentences run smaller chunks). A row keeps its state
+  from the step its sentence ended (``torch.where`` on an ``alive`` mask): every real row gets the reference's numbers;
 * a chunk is one product for its steps' input gates, then per step ``lstm_step``: the reference arithmetic
   (``lstm_math.reference_gates``) with the products in the chosen precision, as autocast runs the reference;
 * ``compiled``: ``lstm_step`` compiled once by ``torch.compile`` (inductor: Triton on CUDA, C++ on a CPU), its gates,
@@ -42,6 +43,8 @@ from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.lstm_math import reference_gates, stacked
 
 CHUNK_SIZES = (16, 8, 4, 2, 1)  # steps per chunk, largest first: a layer of T steps is at most T // 16 + 4 replays
+CHUNK_ROWS = 16_384  # at most steps x rows a chunk (but one step of any bucket): its input gates, 2 x 16,384 x 4H
+# floats, are 2 GB at the original shape in fp32; a bucket's buffers (2 x 2 x 16,384 rows of inputs and outputs)
 SMALLEST_BUCKET = 8
 
 Clips = tuple[float | None, float | None]
@@ -56,13 +59,18 @@ def row_bucket(rows: int) -> int:
     return bucket
 
 
-def chunk_sizes(steps: int) -> list[int]:
-    """``steps`` as chunks of ``CHUNK_SIZES``, largest first (23 → 16, 4, 2, 1)."""
-    sizes = []
-    for size in CHUNK_SIZES:
-        sizes += [size] * (steps // size)
+def allowed_chunks(rows: int) -> tuple[int, ...]:
+    """The chunk sizes of a bucket of ``rows``: at most ``CHUNK_ROWS`` steps x rows, one step always."""
+    return tuple(size for size in CHUNK_SIZES if size * rows <= max(CHUNK_ROWS, rows))
+
+
+def chunk_sizes(steps: int, sizes: Sequence[int] = CHUNK_SIZES) -> list[int]:
+    """``steps`` as chunks of ``sizes`` (descending, ending with 1), largest first (23 → 16, 4, 2, 1)."""
+    chunks = []
+    for size in sizes:
+        chunks += [size] * (steps // size)
         steps %= size
-    return sizes
+    return chunks
 
 
 def lstm_step(
@@ -179,7 +187,7 @@ class Bucket:
         like = weights.w_hh_t
         self.h = like.new_zeros(2, rows, like.shape[1], dtype=weights.out_dtype)
         self.c = like.new_zeros(2, rows, hidden, dtype=torch.float32)
-        self.chunks = {size: Chunk(self, size) for size in CHUNK_SIZES}
+        self.chunks = {size: Chunk(self, size) for size in allowed_chunks(rows)}
         pool = graphs.get()
         if pool is not None:
             saved = self.h.clone(), self.c.clone()
@@ -278,7 +286,7 @@ class LayerCell:
         bucket.load(h0, c0)
         out = bucket.h.new_empty(2, steps, rows, bucket.h.shape[-1])
         t = 0
-        for size in chunk_sizes(steps):
+        for size in chunk_sizes(steps, tuple(bucket.chunks)):
             chunk = bucket.chunks[size]
             chunk.x.copy_(dense[:, t : t + size])
             chunk.alive.copy_(alive[t : t + size])
