@@ -1,7 +1,9 @@
 """Throughput of ``BiLM.embed_sentences`` in fp32 and bf16 next to AllenNLP's ELMo and a matmul roofline, in one run.
 
     .venv/bin/python bench/embed_throughput.py [--shapes small,original] [--repeats 5] [--no-allennlp] [--onednn-verbose]
-                                               [--precisions fp32,bf16,int8]
+                                               [--precisions fp32,bf16,int8] [--device cpu|cuda] [--baseline]
+                                               [--workloads uniform,long-tailed] [--sentences 96]
+                                               [--max-batch-tokens N]
 
 For each shape, random bilm-tf-initialised weights written as options.json + weights.hdf5, and two workloads:
 * uniform: 64 sentences of 10-40 tokens drawn from a Zipfian vocabulary of made-up words;
@@ -12,6 +14,12 @@ AllenNLP 2.10.1's ``_ElmoBiLm`` on the same files (its own venv; batches of 64 a
 largest |difference| between AllenNLP's activations and our fp32 ones, fp32 GFLOP/s against ``torch.matmul``
 measured in the same process, and the accuracy of bf16 against fp32 per layer on the real text (worst cosine,
 0.1% quantile, max and mean absolute error), and of int8 likewise.
+
+On a GPU (``--device cuda --precisions fp32,bf16 --no-allennlp``): ``--baseline`` also times, alternating with ours
+in the same process, the reference LSTM cell (``layer_at_once=False``: what ran on CUDA before
+``kernels/layer_steps.py``), and prints its tok/s and ours against it; ``--sentences N`` real sentences (the pool of
+3,025 repeated in a new order past it) feed the GPU; ``--max-batch-tokens`` defaults to the runtime's budget for the
+device (``runtime.engine.token_budget``: 8,192 on a CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from elmo_core.bilm.inference import length_batches  # noqa: E402
 from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.config import ModelConfig, preset  # noqa: E402
 from elmo_core.precision import onednn_verbose  # noqa: E402
+from elmo_core.runtime.engine import token_budget  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
@@ -53,7 +62,8 @@ def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:
 
 
 def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
-    """Long-tailed lengths: n sentences of real English prose (Python's help topics), as the default corpus has them."""
+    """Long-tailed lengths: n sentences of real English prose (Python's help topics), as the default corpus has them;
+    past the 3,025 there are, the pool again in another order."""
     from pydoc_data.topics import topics
 
     from elmo_core.text.corpus import _prose_paragraphs
@@ -65,7 +75,10 @@ def real_sentences(n: int = 96, seed: int = 0) -> list[list[str]]:
         for p in _prose_paragraphs(topics[name])
         for s in split_sentences(p)
     ]
-    return random.Random(seed).sample([s for s in sentences if s], n)
+    pool, rng, drawn = [s for s in sentences if s], random.Random(seed), []
+    while len(drawn) < n:
+        drawn += rng.sample(pool, min(n - len(drawn), len(pool)))
+    return drawn
 
 
 def describe_machine(device: torch.device | str = "cpu") -> str:
@@ -85,7 +98,11 @@ def describe_machine(device: torch.device | str = "cpu") -> str:
         f"LSTM gates fused in C {describe_fused_gates()}, fp32 LSTM steps in one C loop {describe_step_loop()}"
     )
     if torch.device(device).type == "cuda":
-        text += f"; GPU {torch.cuda.get_device_name()}"
+        props = torch.cuda.get_device_properties(device)
+        text += (
+            f"; GPU {props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
+        )
     return text
 
 
@@ -110,29 +127,58 @@ def model_flops(config: ModelConfig, sentences: list[list[str]]) -> float:
     return (len(words) + 2) * per_word + steps * 2 * (n_layers * per_step + (n_layers - 1) * input_gates)
 
 
-def matmul_roofline(size: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_roofline(size: int = 2048, repeats: int = 10, device: str = "cpu") -> float:
+    """float32 GFLOP/s of one square ``torch.matmul`` on ``device`` (on CUDA 8,192 wide, synchronized)."""
+    cuda = torch.device(device).type == "cuda"
+    size = 8192 if cuda else size
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     torch.matmul(a, b)
     times = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         torch.matmul(a, b)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * size**3 / min(times) / 1e9
 
 
 def time_ours(
-    bilm: BiLM, sentences: list[list[str]], repeats: int, precisions: list[str]
+    bilm: BiLM,
+    sentences: list[list[str]],
+    repeats: int,
+    precisions: list[str],
+    max_batch_tokens: int = 8192,
+    baseline: bool = False,
 ) -> tuple[dict[str, float], dict[str, list[np.ndarray]]]:
-    """Median seconds per precision, the precisions alternating so all see the same machine; and the vectors."""
-    vectors = {p: bilm.embed_sentences(sentences, precision=p) for p in precisions}  # warm-up
-    times: dict[str, list[float]] = {p: [] for p in precisions}
+    """Median seconds per precision, the precisions alternating so all see the same machine; and the vectors. With
+    ``baseline`` also each precision on the reference LSTM cell (key ``"<precision> reference"``), in the rounds."""
+    runs = {p: (p, {}) for p in precisions}
+    if baseline:
+        runs.update({f"{p} reference": (p, {"layer_at_once": False}) for p in precisions})
+
+    def once(name: str, seconds: list[float] | None = None) -> list[np.ndarray]:
+        precision, choices = runs[name]
+        bilm.prepare(precision, **choices)  # embed_sentences keeps kernels prepared in its precision
+        start = time.perf_counter()
+        vectors = bilm.embed_sentences(sentences, precision=precision, max_batch_tokens=max_batch_tokens)
+        if seconds is not None:
+            seconds.append(time.perf_counter() - start)
+        return vectors
+
+    vectors = {name: once(name) for name in runs}  # warm-up: compiles, captures, caches
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        for p in times:
-            start = time.perf_counter()
-            bilm.embed_sentences(sentences, precision=p)
-            times[p].append(time.perf_counter() - start)
-    return {p: sorted(t)[len(t) // 2] for p, t in times.items()}, vectors
+        for name in times:
+            once(name, times[name])
+    bilm.prepare("fp32")
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, vectors
+
+
+def largest_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max(initial=0.0)) for x, y in zip(a, b, strict=True))
 
 
 def accuracy(exact: list[np.ndarray], fast: list[np.ndarray]) -> list[str]:
@@ -185,17 +231,22 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--onednn-verbose", action="store_true", help="print oneDNN's kernel log of one bf16 batch")
     parser.add_argument("--precisions", default="fp32,bf16,int8", help="ours, timed alternating (fp32 always)")
+    parser.add_argument("--baseline", action="store_true", help="also the reference LSTM cell, in the same rounds")
+    parser.add_argument("--workloads", default="uniform,long-tailed")
+    parser.add_argument("--sentences", type=int, default=96, help="real sentences of the long-tailed workload")
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: the runtime's for the device")
     args = parser.parse_args()
     precisions = ["fp32", *(p for p in args.precisions.split(",") if p and p != "fp32")]
 
     torch.set_grad_enabled(False)
-    workloads = {"uniform": make_sentences(), "long-tailed": real_sentences()}
-    roofline = matmul_roofline()
+    made = {"uniform": make_sentences, "long-tailed": lambda: real_sentences(args.sentences)}
+    workloads = {name: made[name]() for name in args.workloads.split(",")}
+    roofline = matmul_roofline(device=args.device)
     print(describe_machine(args.device))
     print(f"torch.matmul roofline {roofline:.1f} GFLOP/s (float32)")
     for name, sentences in workloads.items():
         lengths = sorted(len(s) for s in sentences)
-        batches = length_batches([len(s) for s in sentences], 8192)
+        batches = length_batches([len(s) for s in sentences], args.max_batch_tokens or 8192)
         print(
             f"{name}: {len(sentences)} sentences, {sum(lengths)} tokens, lengths {lengths[0]}-{lengths[-1]} (median "
             f"{lengths[len(lengths) // 2]}), {len(batches)} batches"
@@ -218,9 +269,20 @@ def main() -> None:
             del fresh
             bilm = BiLM.from_pretrained(str(model_dir), device=args.device)
             notes += [f"{shape} kernels: {bilm.prepare(p)}" for p in [*precisions[1:], "fp32"]]  # fp32 kept
+            budget, why = args.max_batch_tokens, "asked for"
+            if budget is None:
+                budget, why = token_budget(bilm.device, config)
+            notes.append(f"{shape}: {budget:,} padded tokens a forward pass ({why})")
             for name, sentences in workloads.items():
                 n_tokens = sum(len(s) for s in sentences)
-                seconds, vectors = time_ours(bilm, sentences, args.repeats, precisions)
+                seconds, vectors = time_ours(bilm, sentences, args.repeats, precisions, budget, args.baseline)
+                notes += [
+                    f"{shape} {name} {p} without LayerCell (layer_at_once=False: on CUDA the reference cell): "
+                    f"{n_tokens / seconds[f'{p} reference']:,.0f} tok/s; ours {seconds[f'{p} reference'] / seconds[p]:.2f}x "
+                    f"that (same rounds); max |ours - it| {largest_difference(vectors[p], vectors[f'{p} reference']):.1e}"
+                    for p in precisions
+                    if args.baseline
+                ]
                 tps = {p: n_tokens / seconds[p] if p in seconds else float("nan") for p in ("fp32", "bf16", "int8")}
                 gflops = model_flops(config, sentences) / seconds["fp32"] / 1e9
                 base_tps, diff = float("nan"), float("nan")
