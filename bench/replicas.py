@@ -102,16 +102,12 @@ class Replica:
 
     def start(self) -> None:
         command = [sys.executable, "-m", "elmo_core.cli", "serve", str(self.model), "--port", str(self.port)]
-        pin = (lambda: os.sched_setaffinity(0, self.cores)) if self.cores else None
         with self.log.open("a") as sink:
             self.process = subprocess.Popen(
-                [*command, *self.flags],
-                cwd=ROOT,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=pin,
+                [*command, *self.flags], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
             )
+        if self.cores:  # set at once, while Python starts: before the server reads it (not preexec_fn: threads run)
+            os.sched_setaffinity(self.process.pid, self.cores)
 
     def ready(self) -> bool:
         if self.process is None or self.process.poll() is not None:
