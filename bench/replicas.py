@@ -169,7 +169,7 @@ class Balancer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+        binary = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin") or "haproxy"
         env = {
             **os.environ,
             "ELMO_LB_BIND": f"127.0.0.1:{self.port}",

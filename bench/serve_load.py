@@ -3,6 +3,7 @@ model, and the batch job's ``embed_sentences`` on the same sentences (the ceilin
 
     .venv/bin/python bench/serve_load.py [--shape small] [--precision fp32] [--seconds 10]
                                          [--concurrency 1,8,64,256] [--burst-seconds 30] [--skip mlflow,off,burst]
+    .venv/bin/python bench/serve_load.py --replicas 2 [--replica-clients 64] [--seconds 10]   # behind HAProxy
 
 The model: random bilm-tf-initialised weights of the preset shape, written as options.json + weights.hdf5. The
 sentences: real English with its long-tailed lengths (Python's help topics, the unicode tokenizer; 1 to 100+

@@ -26,7 +26,7 @@ from tests.helpers import ROOT
 DEPLOY = ROOT / "deploy"
 MODEL = ROOT / "tests" / "fixtures" / "allennlp_elmo"
 PROBES = [line for line in (ROOT / "data" / "probes" / "apple.txt").read_text(encoding="utf-8").splitlines() if line]
-HAPROXY = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if Path(p).exists()), None)
+HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")  # sbin: off a user's PATH
 needs_haproxy = pytest.mark.skipif(
     HAPROXY is None, reason="haproxy not found (Debian: apt-get install haproxy, as .ci/run does)"
 )
