@@ -1,0 +1,172 @@
+"""Throughput of ``elmo embed`` on an ELMoForManyLangs release against their ``Embedder`` and a bilm-tf model of the
+same size, in one run on one machine (issue 56's targets: at least 10x their tokens/s on the CPU, and within 0.8x
+of the bilm-tf model).
+
+    .venv/bin/python bench/manylangs.py [--sentences 512] [--words 50000] [--chars 6000] [--precision fp32]
+                                        [--threads N] [--tiny] [--out bench_manylangs.json]
+
+Three models with random weights, written as their files are (``tests/test_manylangs.write_release``: the format
+description, not their code): a ManyLangs-shaped release at their published sizes (2x4096_512 biLM, 2048 filters,
+2 highways, 50-wide characters, a 100-wide word table of ``--words`` rows, ``--chars`` characters), and a bilm-tf
+model of the same biLM (``original()``: the same LSTMs and CNN, no word table). The corpus: ``--sentences``
+sentences of 10-40 tokens (Zipfian draws from the release's words, one token in twenty unknown), one a line.
+
+Timed, in this order: their ``Embedder(folder, batch_size=64).sents2elmo`` (model loading not counted); ``elmo embed
+--model RELEASE`` and ``elmo embed --model BILM_TF`` in subprocesses (the tokens/s each prints, its model loading
+not counted either; the release's one-time conversion into the model cache is done before the clock). Printed: the
+CPU, the threads, tokens/s of the three, ours against theirs and against the bilm-tf model; and a JSON line.
+``--tiny``: a small shape (seconds), to check the bench itself runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from elmo_core import cpu  # noqa: E402
+from elmo_core.bilm.initialization import random_model  # noqa: E402
+from elmo_core.bilm.manylangs import published_network  # noqa: E402
+from elmo_core.config import ModelConfig, original  # noqa: E402
+from tests.test_manylangs import SMALL, write_release  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402
+
+SUMMARY = re.compile(r"\(([\d,.]+) tokens/s")
+
+
+def words_of(n_words: int, n_chars: int, seed: int = 0) -> list[str]:
+    """``n_words`` distinct words of 1-4 CJK characters drawn from ``n_chars`` code points (a Chinese release's look)."""
+    rng = np.random.default_rng(seed)
+    pool = [chr(0x4E00 + i) for i in range(n_chars)]
+    found: dict[str, None] = {}
+    while len(found) < n_words:
+        found["".join(rng.choice(pool, size=int(rng.integers(1, 5))))] = None
+    return list(found)
+
+
+def corpus(words: list[str], n: int, seed: int = 1) -> list[list[str]]:
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    sentences = []
+    for _ in range(n):
+        drawn = [words[i] for i in rng.choice(len(words), size=int(rng.integers(10, 41)), p=p)]
+        sentences.append([w if rng.random() > 0.05 else w + "ゑ" for w in drawn])  # some unknown words
+    return sentences
+
+
+def their_tokens_per_s(folder: Path, sentences: list[list[str]]) -> float:
+    from elmoformanylangs import Embedder
+
+    embedder = Embedder(str(folder), batch_size=64)
+    started = time.perf_counter()
+    embedder.sents2elmo(sentences, output_layer=-2)
+    return sum(map(len, sentences)) / (time.perf_counter() - started)
+
+
+def our_tokens_per_s(model: Path, text: Path, out: Path, precision: str, env: dict[str, str]) -> float:
+    args = ["embed", "--model", str(model), "--input", str(text), "--out", str(out), "--layers", "all"]
+    done = subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", *args, "--precision", precision, "--overwrite"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"elmo embed failed: {done.stderr.strip().splitlines()[-1]}")
+    found = SUMMARY.search(done.stdout.strip().splitlines()[-1])
+    if found is None:
+        raise SystemExit(f"no tokens/s in elmo embed's summary: {done.stdout.strip().splitlines()[-1]}")
+    return float(found.group(1).replace(",", ""))
+
+
+def bilm_tf_twin(network: dict) -> ModelConfig:
+    """The bilm-tf model of the release's biLM: the same char CNN (its 50-wide characters) and LSTMs."""
+    emb, enc = network["token_embedder"], network["encoder"]
+    base = original()
+    cnn = base.char_cnn.model_copy(
+        update={
+            "embedding": base.char_cnn.embedding.model_copy(update={"dim": emb["char_dim"]}),
+            "filters": emb["filters"],
+            "n_highway": emb["n_highway"],
+        }
+    )
+    lstm = base.lstm.model_copy(
+        update={"dim": enc["dim"], "projection_dim": enc["projection_dim"], "n_layers": enc["n_layers"]}
+    )
+    return ModelConfig(char_cnn=cnn, lstm=lstm)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sentences", type=int, default=512)
+    parser.add_argument("--words", type=int, default=50_000)
+    parser.add_argument("--chars", type=int, default=6_000)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for all three (default: torch's)")
+    parser.add_argument("--tiny", action="store_true", help="a small shape, to check the bench runs")
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.sentences, args.words, args.chars = min(args.sentences, 64), min(args.words, 500), min(args.chars, 200)
+    network = SMALL if args.tiny else published_network()
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    with tempfile.TemporaryDirectory(prefix="bench-manylangs-") as tmp_name:
+        tmp = Path(tmp_name)
+        words = words_of(args.words, args.chars)
+        release = write_release(tmp / "zh.model", network, words, beside=args.tiny)
+        twin = random_model(bilm_tf_twin(network), tmp / "bilm_tf")
+        sentences = corpus(words, args.sentences)
+        text = tmp / "corpus.txt"
+        text.write_text("\n".join(" ".join(s) for s in sentences) + "\n", encoding="utf-8")
+        env = {**os.environ, "ELMO_CACHE_DIR": str(tmp / "cache"), "OMP_NUM_THREADS": str(threads)}
+        code = "import sys; from elmo_core.runtime import resolve_model; resolve_model(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, str(release)], cwd=ROOT, env=env, check=True)  # converted once
+
+        theirs = their_tokens_per_s(release, sentences)
+        ours = our_tokens_per_s(release, text, tmp / "table-release", args.precision, env)
+        bilm_tf = our_tokens_per_s(twin, text, tmp / "table-bilm-tf", args.precision, env)
+
+    result = {
+        "cpu": cpu.describe(),
+        "threads": threads,
+        "precision": args.precision,
+        "shape": "tiny" if args.tiny else "published (2x4096_512, 2048 filters, 2 highways, word_dim 100)",
+        "words": args.words,
+        "chars": args.chars,
+        "tokens": sum(map(len, sentences)),
+        "their_embedder_tokens_per_s": round(theirs, 1),
+        "ours_tokens_per_s": round(ours, 1),
+        "bilm_tf_same_size_tokens_per_s": round(bilm_tf, 1),
+        "ours_over_theirs": round(ours / theirs, 2),
+        "ours_over_bilm_tf": round(ours / bilm_tf, 3),
+    }
+    print(result["cpu"])
+    print(
+        f"{result['tokens']:,} tokens, {threads} threads, {args.precision}: their Embedder {theirs:,.0f} tokens/s; "
+        f"elmo embed on the release {ours:,.0f} ({ours / theirs:.1f}x theirs); on a bilm-tf model of the same size "
+        f"{bilm_tf:,.0f} (ours {ours / bilm_tf:.2f}x it)"
+    )
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
