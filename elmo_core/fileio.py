@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from elmo_core.errors import DiskFullError, NoSpaceError, OutputError, disk_full
+
 log = logging.getLogger(__name__)
 
 
@@ -100,8 +102,6 @@ class FolderLock:
 
     def acquire(self) -> FolderLock:
         import fcntl
-
-        from elmo_core.errors import OutputError
 
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -174,8 +174,6 @@ def require_space(
     """Refuse, before anything is written, an output of about ``needed_bytes`` that the filesystem holding
     ``folder`` has no room for: one ``NoSpaceError`` line, ``what`` saying what the bytes are (``the weights``) and
     ``advice`` what to do."""
-    from elmo_core.errors import NoSpaceError
-
     free = free_bytes(folder)
     if needed_bytes > free:
         raise NoSpaceError(
@@ -220,8 +218,6 @@ def disk_full_error(
     """The ``DiskFullError`` of a write into ``folder`` that failed (``exc``) for lack of space: ``kept`` (what is
     kept, as the writer knows it) or else the finished part files in the folder, the free space once the failed
     write's files are closed, and ``rerun`` (how to continue, where it is not the same command again)."""
-    from elmo_core.errors import DiskFullError
-
     _release(exc)
     if kept is None:
         n = len(finished_parts(folder))
@@ -248,13 +244,14 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:
-    """Remove the temporary files and folders in ``folder`` whose writer is no longer running (its pid is gone):
-    what a writer killed or stopped by a full disk left behind. Those of a live writer are its own. Returns them."""
+    """Remove the temporary files and folders in ``folder`` whose writer is no longer running (its pid is gone from
+    this machine): what a writer killed or stopped by a full disk left behind. Those of a live writer are its own.
+    Returns them."""
     folder = Path(folder)
     removed = []
     for path in folder.iterdir() if folder.is_dir() else ():
         match = _TEMP.fullmatch(path.name)
-        if match is None or (int(match.group(1)) != os.getpid() and _alive(int(match.group(1)))):
+        if match is None or _alive(int(match.group(1))):  # this process's own: a thread of it may be writing it
             continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -273,8 +270,6 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     carried over), so ``path`` is the old folder, the complete new one, or briefly absent; never half of one. On an
     error the temporary folder is removed. Stale temporaries of writers that died, beside ``path`` and in it, are
     removed first. ``path`` must not be a mount point (a rename cannot move it)."""
-    from elmo_core.errors import OutputError
-
     path = Path(path)
     if path.is_mount():
         raise OutputError(f"{path}: a mount point cannot be replaced whole; write into a folder inside it")
@@ -323,8 +318,6 @@ def as_disk_full(exc: BaseException, folder: str | Path | None) -> Exception | N
     """The runners' one mapping: ``exc`` as the ``DiskFullError`` line where it (or what it was raised from) is a
     write that failed for lack of space, naming ``folder`` (the stage's output; else the file the error names);
     None for any other error."""
-    from elmo_core.errors import DiskFullError, disk_full
-
     if not disk_full(exc):
         return None
     if isinstance(exc, DiskFullError):
