@@ -1,5 +1,9 @@
 """A training run ─► a bilm-tf/AllenNLP model directory (options.json, weights.hdf5 with its softmax, vocab.txt):
-its newest valid checkpoint, or the best weights where it trained with ``export: best``."""
+its newest valid checkpoint, or the best weights where it trained with ``export: best``.
+
+A checkpoint's model directory is complete or absent (``bilm.weights.write_model_files``): refused in one line before
+the first byte where it does not fit, written beside the target and renamed into place, and what an export that died
+left there is removed by the next."""
 
 from __future__ import annotations
 
