@@ -150,28 +150,10 @@ def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
 # ----- the commands ---------------------------------------------------------------------------------------
 
 
-def _fixture_model() -> Path | None:
-    """The AllenNLP fixture biLM (TF-trained, tiny) that ships with the repository's tests."""
-    model = PROJECT_ROOT / "tests" / "fixtures" / "allennlp_elmo"
-    return model if (model / "options.json").exists() else None
-
-
 def cmd_demo(config: DemoConfig) -> None:
-    from elmo_core.bilm.initialization import random_model
-    from elmo_core.config import tiny
-    from elmo_core.runtime import Runtime
-    from elmo_core.vectors.probe import polysemy_table
+    from elmo_core.vectors.probe import demo
 
-    model_dir = Path(config.model) if config.model else _fixture_model()
-    source = str(model_dir)
-    if model_dir is None:
-        model_dir = random_model(tiny(), PROJECT_ROOT / "data" / "models" / "random-tiny")
-        source = f"{model_dir} (random weights: no trained model given and no fixture model in this checkout)"
-    log.info("model: %s", source)
-    text = Path(config.input or PROBES).read_text(encoding="utf-8")
-    sentences = [line.split() for line in text.splitlines() if line.strip()]
-    print(f"model        {source}")
-    print("\n".join(polysemy_table(Runtime.open(str(model_dir)), sentences)))
+    print("\n".join(demo(config.model, Path(config.input or PROBES), PROJECT_ROOT / "data")))
 
 
 def cmd_info(config: InfoConfig) -> None:
@@ -487,6 +469,32 @@ GROUPS = {  # name: (one-line help, description)
 }
 
 
+# what `elmo <command> --plan` prints: a stage (its plan's lines) or a function of the options giving the lines
+PLANS = {
+    "ingest": "elmo_core.ingest:IngestStage",
+    "vocab": "elmo_core.data.vocab:VocabStage",
+    "train": "elmo_core.train.launch:TrainStage",
+    "perplexity": "elmo_core.train.evaluate:PerplexityStage",
+    "export": "elmo_core.train.export:ExportStage",
+    "embed": "elmo_core.vectors.embed:plan_lines",
+    "index": "elmo_core.vectors.ann:IndexStage",
+    "probe wsd": "elmo_core.vectors.probe:ProbeStage",
+    "probe tag": "elmo_core.vectors.probe:ProbeStage",
+}
+
+
+def print_plan(name: str, config: Options) -> None:
+    """The plan of ``name`` for ``config``, each line printed; nothing on disk changes (plans only read)."""
+    import importlib
+    import inspect
+
+    from elmo_core.stage import show_plan
+
+    module, _, attr = PLANS[name].partition(":")
+    found = getattr(importlib.import_module(module), attr)
+    print("\n".join(show_plan(found(), config) if inspect.isclass(found) else found(config)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     # no prefix abbreviations: `elmo ingest --split heldout` must never be read as --split-sentences
     parser = argparse.ArgumentParser(
@@ -505,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
             leaf, help=help_text, description=description, allow_abbrev=False
         )
         command.add_argument("--config", help="YAML or JSON file of these options; flags override it")
+        if name in PLANS:
+            command.add_argument(
+                "--plan", action="store_true", help="print what this run would do and change nothing on disk"
+            )
         add_fields(command, model, positional)
         if model is AllennlpElmoConfig:  # `allennlp elmo`'s own spelling of --output-format
             for kind in ("all", "top", "average"):
@@ -558,7 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, handler, _, _, _ = COMMANDS[name]
         config = parse_config(model, args)
-        handler(config)
+        if getattr(args, "plan", False):
+            print_plan(name, config)
+        else:
+            handler(config)
     except KeyboardInterrupt:
         print(f"elmo {name}: interrupted (a rerun continues where it stopped)", file=sys.stderr)
         return 130

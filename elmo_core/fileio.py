@@ -90,11 +90,16 @@ def file_sha256(path: str | Path) -> str:
 
 
 class FolderLock:
-    """The one-writer lock of an output folder: ``with FolderLock(lock_file, folder): ...``.
+    """The one-writer lock of an output folder: ``with FolderLock(lock_file, folder): ...``; ``beside(folder)`` is
+    where a stage's claim keeps it (``.<name>.lock`` next to the folder, so deleting the folder keeps the lock).
 
     ``wait``: block until the holder is done instead of failing. The holder's pid, host and start time are
     written into the lock file for the refusal's message.
     """
+
+    # lock files this process holds, and how many holders in it share each: a stage's claim and the main job's
+    # run-once check around it take the same lock, and a lock is one job's, not one call's
+    _held: dict[Path, list[int]] = {}
 
     def __init__(self, lock_file: str | Path, folder: str | Path, wait: bool = False) -> None:
         self.lock_file, self.folder, self.wait = Path(lock_file), Path(folder), wait
@@ -103,6 +108,11 @@ class FolderLock:
     def acquire(self) -> FolderLock:
         import fcntl
 
+        key = self.lock_file.resolve()
+        if key in FolderLock._held:  # this process holds it already: a nested claim of the same job
+            FolderLock._held[key][1] += 1
+            self._fd = FolderLock._held[key][0]
+            return self
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -121,6 +131,7 @@ class FolderLock:
         started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode())
         self._fd = fd
+        FolderLock._held[key] = [fd, 1]
         return self
 
     @staticmethod
@@ -132,15 +143,28 @@ class FolderLock:
             return "a process that has not written its name yet"
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        if self._fd is None:
+            return
+        key = self.lock_file.resolve()
+        held = FolderLock._held.get(key)
+        if held is not None and held[0] == self._fd:
+            held[1] -= 1
+            if held[1] == 0:
+                del FolderLock._held[key]
+                os.close(self._fd)  # closing the descriptor drops the flock
+        self._fd = None
 
     def __enter__(self) -> FolderLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def beside(folder: str | Path) -> Path:
+    """The lock file of ``folder`` that a stage's claim takes: next to it, not inside it."""
+    folder = Path(folder).absolute()
+    return folder.parent / f".{folder.name}.lock"
 
 
 # ----- space: look before writing, and one line when it fills anyway -----------------------------------------

@@ -26,9 +26,8 @@ from elmo_core.text.tokenize import TokenizerName
 log = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16"]  # training's
-# inference's, the same values with the same meaning in every command that runs a model (the runtime resolves them:
-# runtime/placement.py): auto is bf16 where the device computes it natively, else fp32; int8 runs the LSTM step's
-# products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: docs/precision.md)
+# inference's, the same in every command (runtime/placement.py resolves them): auto is bf16 where native, else fp32;
+# int8: the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: precision.md)
 InferencePrecision = Literal["auto", "fp32", "bf16", "int8"]
 
 
@@ -195,7 +194,7 @@ class IngestConfig(IngestOptions):
 class VocabOptions(Options):
     min_count: int = Field(1, ge=1, description="keep words seen at least this often in the train split")
     max_size: int | None = Field(None, gt=3, description="at most this many entries, <S> </S> <UNK> included")
-    memory_limit: str = Field("4GB", description="DuckDB memory limit")
+    memory_limit: str = Field("4GB", description="DuckDB memory limit", **tags(RUNTIME))  # how, not what it makes
     token_ids: bool = Field(True, description="also write token ids per split (what the trainer streams)")
 
 
@@ -229,8 +228,10 @@ class TrainOptions(Options):
         description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs (if "
         "given) or max_steps still stop it first",
     )
-    budget_clock: Literal["wall", "cpu"] = Field(
-        "wall", description="what the budget counts: wall (the clock) or cpu (this process's CPU time, all threads)"
+    budget_clock: Literal["auto", "wall", "cpu"] = Field(
+        "auto",
+        description="what the budget counts: auto (the recipe table's clock: cpu time on a CPU, wall on a GPU), "
+        "wall (the clock) or cpu (this process's CPU time, all threads); evaluations are off the clock",
     )
     n_train_tokens: int | None = Field(
         None, gt=0, description="fixes the steps per epoch; default: counted from the data"
@@ -373,8 +374,8 @@ class EmbedOptions(Options):
     pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
     split: Literal["all", "train", "heldout", "test"] = Field("all", description="which split of an ingested dataset")
     tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
-    max_batch_tokens: int = Field(
-        8192, gt=0, description="padded tokens per forward pass (sentences sorted by length)", **tags(RUNTIME)
+    max_batch_tokens: int | None = Field(
+        None, gt=0, description="padded tokens a forward pass; default: the runtime's for the device", **tags(RUNTIME)
     )
     unit_tokens: int = Field(
         40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)"
@@ -545,7 +546,7 @@ class AllennlpElmoConfig(Options):
 
 class DemoConfig(Options):
     model: str | None = Field(
-        None, description="model directory; default: the TF-trained fixture model in tests/fixtures"
+        None, description="model directory; default: data/export (the main job's), else a random tiny model"
     )
     input: str | None = Field(
         None, description="whitespace-tokenized sentences, one per line; default: data/probes/apple.txt"

@@ -1,18 +1,21 @@
-"""A stage of the pipeline as one protocol: claim its output, plan it, run its units, finish it.
+"""A stage of the pipeline as one protocol: plan it, claim what it writes, run its units, finish it.
 
 Every stage is a ``Stage``: embed and index in many units; ingest, vocab, train, export, perplexity and the probes in
-one (``WholeStage``). Its options are resolved once, in ``plan`` (device, precision, the job's identity, what is already
-done), and everything after reads the plan:
+one (``WholeStage``). A stage's options are read and decided once, in ``plan`` (device, precision, the job's
+identity, what is already done, what it will write); ``plan`` writes, deletes and trains nothing, so a retried or
+repeated plan is harmless and ``elmo <stage> --plan`` prints it and changes nothing on disk. Everything after reads
+the plan:
 
-    with stage.claim(options):                  the output folder's one-writer lock, held by the runner's process
-        plan = stage.plan(options)              options → a Plan: what to do, as units (picklable)
+    plan = stage.plan(options)                  options → a Plan: what to do, as units (picklable), and its lines
+    with stage.claim(plan):                     every folder the plan writes locked, before a byte of it changes
         results = [stage.run_unit(plan, u) for u in plan.units]     anywhere: this process, workers, a cluster
         summary = stage.finish(plan, results, seconds)              the table made whole, a summary with .line()
 
-Two runners drive it and decide nothing of their own: ``run_local`` below (the ``elmo`` command: a progress bar,
-and ``workers`` processes each with its share of the cores) and ``flows.common.run_stage`` (a unit = a Prefect
-task, on Dask under ``run_on_dask``; artifacts built from the summary). Both run the same units, so the CLI and a
-deployment of a stage write the same table.
+``stage.identity(options)`` is what a rerun compares (the main job skips a stage whose identity and inputs did not
+change). Two runners drive it and decide nothing of their own: ``run_local`` below (the ``elmo`` command: a
+progress bar, and ``workers`` processes each with its share of the cores) and ``flows.common.run_stage`` (a unit
+= a Prefect task, on Dask under ``run_on_dask``; artifacts built from the summary). Both run the same units, so the
+CLI and a deployment of a stage write the same table.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from elmo_core import cpu
-from elmo_core.fileio import write_text_atomic
+from elmo_core.fileio import FolderLock, beside, write_text_atomic
 from elmo_core.progress import track
 
 log = logging.getLogger(__name__)
@@ -53,10 +56,13 @@ class Unit(Protocol):
 
 
 class Plan(Protocol):
-    """What a stage's plan offers every runner: its units (the rest is the stage's own)."""
+    """What a stage's plan offers every runner: its units, and what it decided as lines (``--plan`` prints them,
+    a run logs them before it acts)."""
 
     @property
     def units(self) -> Sequence[Unit]: ...
+
+    def lines(self) -> list[str]: ...
 
 
 class Stage(Protocol[OptionsT, PlanT, ResultT, SummaryT]):
@@ -66,9 +72,11 @@ class Stage(Protocol[OptionsT, PlanT, ResultT, SummaryT]):
     name: str
     counts: str
 
-    def claim(self, options: OptionsT) -> contextlib.AbstractContextManager[Any]: ...
+    def identity(self, options: OptionsT) -> dict[str, Any]: ...
 
     def plan(self, options: OptionsT) -> PlanT: ...
+
+    def claim(self, plan: PlanT) -> contextlib.AbstractContextManager[Any]: ...
 
     def run_unit(self, plan: PlanT, unit: Any, report: Callable[[int], None] | None = None) -> ResultT:
         """Do one unit; ``report(amount)`` as parts of it are done, where the runner shows finer progress."""
@@ -87,24 +95,55 @@ class Whole:
 
 @dataclass
 class WholePlan:
+    """A one-unit stage's plan: its options, the folders it writes (the claim locks them), what it decided."""
+
     options: Any
     units: list[Whole]
+    writes: list[Path] = field(default_factory=list)
+    decided: list[str] = field(default_factory=list)
+    wait: bool = False
+
+    def lines(self) -> list[str]:
+        return [*self.decided, *(f"writes {folder}" for folder in self.writes)]
+
+
+@contextlib.contextmanager
+def claim_folders(folders: Sequence[Path], wait: bool = False) -> Iterator[None]:
+    """Lock every folder a stage writes (``fileio.beside``: the lock lives next to the folder), in a fixed order, so
+    that a second job on any of them is refused in one line (or waits, with ``wait``) before anything changes."""
+    with contextlib.ExitStack() as stack:
+        for folder in sorted({Path(f).absolute() for f in folders}):
+            stack.enter_context(FolderLock(beside(folder), folder, wait=wait))
+        yield
 
 
 class WholeStage:
     """A stage done as one unit, whatever runs it: ingest (deduplication against one manifest is sequential), vocab
-    (one DuckDB), train (its launcher owns the ranks), export, perplexity, a probe. Its own work keeps its own lock
-    and progress bar; a runner drives it as any other stage (in a Prefect flow, the task that calls it is the unit).
-    Subclasses name it and say what ``work`` does."""
+    (one DuckDB), train (its launcher owns the ranks), export, perplexity, a probe. Its own work shows its own
+    progress; a runner drives it as any other stage (in a Prefect flow, the task that calls it is the unit).
+    Subclasses name it, say what it writes (``writes``), what it decided (``decide``, reading only) and what
+    ``work`` does."""
 
     name = "stage"
     counts = ""  # no runner's bar: the work shows its own progress
 
-    def claim(self, options: Any) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    def identity(self, options: Any) -> dict[str, Any]:
+        return options.identity()
+
+    def writes(self, options: Any) -> list[Path]:
+        out = getattr(options, "out", None)
+        return [Path(out)] if out else []
+
+    def decide(self, options: Any) -> list[str]:
+        """What this run will do, read and decided without writing (the plan's lines)."""
+        return []
 
     def plan(self, options: Any) -> WholePlan:
-        return WholePlan(options, [Whole(self.name)])
+        wait = bool(getattr(options, "wait", False))
+        return WholePlan(options, [Whole(self.name)], self.writes(options), self.decide(options), wait)
+
+    def claim(self, plan: WholePlan) -> contextlib.AbstractContextManager[None]:
+        return claim_folders(plan.writes, plan.wait)
 
     def run_unit(self, plan: WholePlan, unit: Whole, report: Callable[[int], None] | None = None) -> Any:
         return self.work(plan.options)
@@ -116,6 +155,16 @@ class WholeStage:
         raise NotImplementedError
 
 
+def show_plan(stage: Stage, options: Any) -> list[str]:
+    """``elmo <stage> --plan``: the plan's lines, nothing written (the plan only reads)."""
+    plan = stage.plan(options)
+    units = list(plan.units)
+    head = f"{stage.name}: {len(units)} unit{'s' if len(units) != 1 else ''}"
+    if stage.counts:
+        head += f", {sum(u.size for u in units):,} {stage.counts}"
+    return [head, *plan.lines()]
+
+
 def _run_in_worker(stage: Stage, plan: Plan, unit: Unit) -> Any:
     # the environment cpu.worker_env gave this process holds its share of the cores: the runtime takes it as the
     # model's threads (runtime.placement.take_threads), an index shard as faiss's
@@ -124,10 +173,12 @@ def _run_in_worker(stage: Stage, plan: Plan, unit: Unit) -> Any:
 
 def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: OptionsT, workers: int = 1) -> SummaryT:
     """Run a stage in this process (``workers`` > 1: its units in that many spawned processes, each with its share of
-    the cores), with a progress bar and ETA; the claim is held from the plan to the finish."""
+    the cores), with a progress bar and ETA: the plan, then the claim (held to the finish) and the plan's lines."""
     started = time.perf_counter()
-    with stage.claim(options):
-        plan = stage.plan(options)
+    plan = stage.plan(options)
+    with stage.claim(plan):
+        for line in plan.lines():  # what it decided, before it acts (a refused claim prints only its refusal)
+            log.info("%s plan: %s", stage.name, line)
         units = list(plan.units)
         results: dict[str, ResultT] = {}
         with _bar(stage, units) as progress:
@@ -187,18 +238,19 @@ def run_once(
     and "done" with the result after. ``fresh_start``: work of other inputs in the folder is removed first
     (checkpoints of another training configuration)."""
     path = directory / STAMP_NAME
-    stamp = json.loads(path.read_text()) if path.exists() else None
-    if stamp and stamp["fingerprint"] == fingerprint and stamp.get("status", "done") == "done":
-        log.info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
-        return stamp["result"]
-    if fresh_start and stamp and stamp["fingerprint"] != fingerprint and directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"fingerprint": fingerprint, "status": "started"}, indent=2) + "\n")
-    result = work()
-    done = {"fingerprint": fingerprint, "status": "done", "result": result}
-    write_text_atomic(path, json.dumps(done, indent=2, default=str) + "\n")
-    return result
+    with FolderLock(beside(directory), directory):  # the stage's claim (in ``work``) is the same lock: one job
+        stamp = json.loads(path.read_text()) if path.exists() else None
+        if stamp and stamp["fingerprint"] == fingerprint and stamp.get("status", "done") == "done":
+            log.info("%s: inputs unchanged (fingerprint %s…), skipped", directory.name, fingerprint[:12])
+            return stamp["result"]
+        if fresh_start and stamp and stamp["fingerprint"] != fingerprint and directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"fingerprint": fingerprint, "status": "started"}, indent=2) + "\n")
+        result = work()
+        done = {"fingerprint": fingerprint, "status": "done", "result": result}
+        write_text_atomic(path, json.dumps(done, indent=2, default=str) + "\n")
+        return result
 
 
 def fingerprint_files(paths: Iterable[Path], extra: Any = None) -> str:

@@ -172,11 +172,14 @@ def finish_stage(runner: Stage, plan: Any, results: list[Any], seconds: float) -
 
 def run_stage(runner: Stage, options: Any) -> Any:
     """A stage as Prefect tasks: its plan, one task per unit (named and tagged ``elmo-<stage>-unit``, so a work pool
-    can limit them), then its finish; the claim on the output is held by the flow's process the whole time, and the
+    can limit them), then its finish; the claim on what the plan writes is held by the flow's process from the plan
+    to the finish, and the
     units' progress shows in the Prefect UI. The summary it returns is the stage's own, as ``run_local``'s is."""
     started = time.perf_counter()
-    with disk_full_as_one_line(output_of(options)), runner.claim(options):
-        plan = plan_stage.with_options(name=f"plan-{runner.name}")(runner, options)
+    plan = plan_stage.with_options(name=f"plan-{runner.name}")(runner, options)  # reads only: a retry is harmless
+    with disk_full_as_one_line(output_of(options)), runner.claim(plan):
+        for line in plan.lines():
+            get_run_logger().info("%s plan: %s", runner.name, line)
         units = list(plan.units)
         unit_task = run_unit.with_options(name=f"{runner.name}-unit", tags=[f"elmo-{runner.name}-unit"])
         futures = unit_task.map(unmapped(runner), unmapped(plan), units)

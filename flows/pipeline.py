@@ -241,16 +241,18 @@ def elmo_pipeline(params: PipelineParams = PipelineParams()) -> dict[str, Any]:
         str(ingest_dir),
         fingerprint_files(
             [i.path for i in find_sources(sources, ingest_config.split, ingest_config.layout)],
-            ingest_config.identity(),
+            IngestStage().identity(ingest_config),  # each stage says what a rerun compares
         ),
     )
     stats = vocab_stage(
-        vocab_config, str(vocab_dir), fingerprint_files(ingest_dir.glob("part-*.parquet"), vocab_config.model_dump())
+        vocab_config,
+        str(vocab_dir),
+        fingerprint_files(ingest_dir.glob("part-*.parquet"), VocabStage().identity(vocab_config)),
     )
     trained = train_stage(
         train_config,
         str(train_dir),
-        fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"], train_config.identity()),
+        fingerprint_files([vocab_dir / "token_ids", vocab_dir / "vocab.txt"], TrainStage().identity(train_config)),
     )
     # export and evaluate skip as the stages before them do: the training's result (its run, steps and the step
     # exported) is export's input, the exported files and the vocab's token ids are evaluate's

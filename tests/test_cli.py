@@ -3,7 +3,7 @@
 from tests.helpers import run_elmo
 
 
-def test_demo_embeds_the_probes_with_the_fixture_model():
+def test_demo_embeds_the_probes_without_a_model_given():
     result = run_elmo("demo")
     assert result.returncode == 0, result.stderr
     assert "embedded     10 sentences, 91 tokens" in result.stdout

@@ -15,7 +15,7 @@ import pytest
 
 from elmo_core import cpu
 from elmo_core.fileio import FolderLock
-from elmo_core.vectors.embed import LOCK_NAME, work_dir
+from elmo_core.vectors.sources import LOCK_NAME, work_dir
 from tests.helpers import ROOT, free_port, run_elmo, start_server
 from tests.test_train import FIXTURE_OPTIONS, fixture_data  # noqa: F401  (the fixture: bilm-tf's data, its vocab)
 

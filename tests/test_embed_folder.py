@@ -117,6 +117,9 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     with pytest.raises(InputError):
         embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "missing.txt"), out=str(out)))
+    with pytest.raises(InputError, match="no such model directory"):
+        embed(EmbedConfig(model=str(tmp_path / "no_model"), input=str(_write(tmp_path / "a.txt", A)), out=str(out)))
+    (tmp_path / "no_model").mkdir()
     with pytest.raises(InputError, match="no options.json"):
         embed(EmbedConfig(model=str(tmp_path / "no_model"), input=str(_write(tmp_path / "a.txt", A)), out=str(out)))
     assert not out.exists() and not work_dir(out).exists()

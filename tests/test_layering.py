@@ -49,13 +49,13 @@ ROOMS = {
         *("cuda_graphs", "layer_steps", "choice", "__init__"),
     ],
     "train": [
-        *("checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "run", "loop"),
+        *("checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "plan", "run", "loop"),
         "launch",
         "mlflow_model",
         "__init__",
     ],
     "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],
-    "vectors": ["ann", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
+    "vectors": ["ann", "sources", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
     "serve": ["api", "compute", "workers", "metrics", "batcher", "app", "run", "__init__"],

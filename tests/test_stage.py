@@ -29,24 +29,29 @@ class Pieces:
     folder: Path
     units: list[Piece]
 
+    def lines(self) -> list[str]:
+        return [f"{len(self.units)} pieces into {self.folder}"]
+
 
 class FilesStage:
-    """A stage whose units each write one file (with the pid that wrote it), for the runner's contract."""
+    """A stage whose units each write one file (with the pid that wrote it), for the runner's contract: the plan
+    reads, the claim holds the folder (and makes it) from before the first unit to after the finish."""
 
     name, counts = "files", "rows"
 
     def __init__(self) -> None:
         self.claimed: list[str] = []
 
+    def plan(self, folder: Path) -> Pieces:
+        self.claimed.append("planned")
+        return Pieces(folder, [Piece(f"part-{i}", 10 + i) for i in range(5)])
+
     @contextlib.contextmanager
-    def claim(self, folder: Path):
+    def claim(self, plan: Pieces):
         self.claimed.append("held")
+        plan.folder.mkdir(exist_ok=True)
         yield
         self.claimed.append("released")
-
-    def plan(self, folder: Path) -> Pieces:
-        folder.mkdir(exist_ok=True)
-        return Pieces(folder, [Piece(f"part-{i}", 10 + i) for i in range(5)])
 
     def run_unit(self, plan: Pieces, unit: Piece, report=None) -> dict:
         (plan.folder / unit.name).write_text(str(unit.size))
@@ -63,7 +68,7 @@ def test_run_local_runs_every_unit_once_under_the_claim_in_unit_order(tmp_path):
     results = run_local(stage, tmp_path / "out")
     assert [r["name"] for r in results] == [f"part-{i}" for i in range(5)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"part-{i}" for i in range(5)]
-    assert stage.claimed == ["held", "released"] and {r["pid"] for r in results} == {os.getpid()}
+    assert stage.claimed == ["planned", "held", "released"] and {r["pid"] for r in results} == {os.getpid()}
 
 
 def test_run_local_with_workers_gives_the_same_results_from_other_processes(tmp_path):

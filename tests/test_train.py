@@ -682,6 +682,42 @@ def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spe
         assert train(cpu).steps < 20_000 and 1.0 <= stopped_at() <= 1.05
 
 
+@pytest.mark.parametrize("clock", ["cpu", "wall"])
+def test_a_budget_timed_from_outside_stops_within_5_percent_on_its_clock(fixture_data, tmp_path, clock):
+    """``elmo train --budget 6s`` as a user runs it, timed by this process: the trainer's CPU time (every thread's,
+    read from the kernel with psutil) or the wall clock, from the line that starts the budget to the line that says
+    it is spent, is the budget within 5%."""
+    import threading
+
+    import psutil
+
+    options = {**FIXTURE_OPTIONS, "max_steps": 10**7, "checkpoint_every": 10**6, "n_train_tokens": 10**9}
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"data": str(fixture_data), "out": str(tmp_path / "run"), **options}))
+    command = [sys.executable, "-m", "elmo_core.cli", "train", "--config", str(config), "--budget", "6s"]
+    child = subprocess.Popen(
+        [*command, "--budget-clock", clock], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    process, marks = psutil.Process(child.pid), {}
+
+    def now() -> float:
+        times = process.cpu_times()
+        return times.user + times.system if clock == "cpu" else time.monotonic()
+
+    def read() -> None:
+        for line in child.stderr:  # type: ignore[union-attr]
+            if "budget: 6 s of" in line:
+                marks["start"] = now()
+            elif "budget spent (" in line:
+                marks["end"] = now()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert child.wait(timeout=240) == 0
+    reader.join(timeout=10)
+    assert 6.0 * 0.95 <= marks["end"] - marks["start"] <= 6.0 * 1.05, marks
+
+
 def test_under_a_budget_the_epochs_bound_the_run_only_where_given(fixture_data, tmp_path):
     """The table's recipes were measured with the budget alone ending each run: so under a budget, n_epochs' default
     does not stop it first; n_epochs or max_steps given still do."""

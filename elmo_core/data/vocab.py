@@ -248,5 +248,15 @@ class VocabStage(WholeStage):
 
     name = "vocab"
 
+    def writes(self, config: VocabConfig) -> list[Path]:
+        return [Path(config.db).parent]  # the database, vocab.txt and token_ids/ beside it
+
+    def decide(self, config: VocabConfig) -> list[str]:
+        shards = shard_paths(config.corpus)
+        source = f"import {config.vocab_file}" if config.vocab_file else f"count words seen {config.min_count}+ times"
+        cap = f", at most {config.max_size:,} entries" if config.max_size else ""
+        ids = "; token ids per split" if config.token_ids else ""
+        return [f"{len(shards)} shards of {config.corpus}: {source}{cap}{ids} -> {config.db}"]
+
     def work(self, config: VocabConfig) -> dict[str, float]:
         return build_vocab(config)

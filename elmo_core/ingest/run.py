@@ -224,5 +224,24 @@ class IngestStage(WholeStage):
     def __init__(self, afresh_on_new_options: bool = False) -> None:
         self.afresh_on_new_options = afresh_on_new_options
 
+    def decide(self, config: IngestConfig) -> list[str]:
+        inputs = find_sources(config.sources, config.split, config.layout)
+        size = sum(i.path.stat().st_size for i in inputs)
+        lines = [
+            f"{len(inputs)} input files ({size:,} bytes), tokenizer {config.tokenizer}, dedup "
+            f"{'on' if config.dedup else 'off'}, heldout fraction {config.heldout_fraction:g}"
+        ]
+        try:
+            stored = dataset_options(config.out)
+        except duckdb.IOException:  # another ingest writes it now: the work checks the options under the lock
+            return [*lines, f"{config.out} is being written by another job: checked once it is this job's turn"]
+        changes = option_changes(stored, config) if stored is not None else []
+        if changes:
+            verb = "made afresh" if self.afresh_on_new_options else "refused (another dataset's options)"
+            lines.append(f"{config.out} was read with other options ({'; '.join(changes)}): {verb}")
+        elif stored is not None:
+            lines.append(f"{config.out} exists: files already in its manifest are skipped")
+        return lines
+
     def work(self, config: IngestConfig) -> IngestSummary:
         return ingest(config, self.afresh_on_new_options)

@@ -199,5 +199,11 @@ class PerplexityStage(WholeStage):
 
     name = "perplexity"
 
+    def writes(self, config: PerplexityConfig) -> list[Path]:
+        return []  # it reads a model and a dataset, and writes its token ids in a temporary folder
+
+    def decide(self, config: PerplexityConfig) -> list[str]:
+        return [f"score {config.model} on the {config.split} split of {config.corpus} (device {config.device})"]
+
     def work(self, config: PerplexityConfig) -> dict[str, float]:
         return perplexity(config)

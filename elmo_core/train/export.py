@@ -67,5 +67,16 @@ class ExportStage(WholeStage):
 
     name = "export"
 
+    def decide(self, config: ExportConfig) -> list[str]:
+        """Which checkpoint would be exported (the newest on disk, verified when the work reads it)."""
+        source = Path(config.checkpoint or config.run)  # type: ignore[arg-type]
+        if is_release(source):
+            return [f"convert the ELMoForManyLangs release {source} -> {config.out} (its char.dic and word.dic kept)"]
+        newest = latest_checkpoint(source) if source.is_dir() else source
+        if newest is None:
+            raise CheckpointError(f"{source}: no checkpoint in {checkpoint_dir(source)}")
+        best = " (or its best weights, where it trained with export: best)" if source.is_dir() else ""
+        return [f"export {newest}{best} -> {config.out}"]
+
     def work(self, config: ExportConfig) -> tuple[int, Path]:
         return export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]

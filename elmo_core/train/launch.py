@@ -33,7 +33,9 @@ from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
 from elmo_core.stage import WholeStage
+from elmo_core.tracking import check_reachable
 from elmo_core.train.loop import train
+from elmo_core.train.plan import plan_training
 from elmo_core.train.run import TrainResult
 
 log = logging.getLogger(__name__)
@@ -277,6 +279,14 @@ class TrainStage(WholeStage):
 
     def __init__(self, on_line: Callable[[str], None] = print) -> None:
         self.on_line = on_line
+
+    def decide(self, config: TrainConfig) -> list[str]:
+        if config.tracking == "mlflow":
+            check_reachable(config.tracking_uri)  # a tracking server that is away: refused first, in seconds
+        per_node, nodes = world_of(config)
+        world = per_node * nodes
+        lines = plan_training(config, world=world).lines()
+        return lines + ([f"{world} ranks ({per_node} a node on {nodes} nodes), torchrun"] if world > 1 else [])
 
     def work(self, config: TrainConfig) -> TrainResult | None:
         return launch(config, self.on_line)

@@ -40,7 +40,6 @@ from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
 from elmo_core.data.prefetch import Prefetcher
-from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 from elmo_core.errors import (
     ConfigError,
     InputError,
@@ -60,7 +59,6 @@ from elmo_core.tracking import (
     Tracker,
     check_reachable,
 )
-from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -68,10 +66,11 @@ from elmo_core.train.checkpoint import (
     load_newest_valid,
 )
 from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
-from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows, train_token_counts
+from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
-from elmo_core.train.recipe import choose_for_budget, describe_softmax, settle_softmax, sparse_softmax
+from elmo_core.train.plan import plan_training
+from elmo_core.train.recipe import describe_softmax, settle_softmax, sparse_softmax, table_measured
 from elmo_core.train.run import Run, TrainResult, restore, save
 
 __all__ = [
@@ -167,7 +166,7 @@ def _clip_global_norm(params: list[nn.Parameter], max_norm: float) -> float:
 
 def _device_and_rank(config: TrainConfig) -> tuple[torch.device, Rank]:
     """This process's device and place among the ranks (its GPU under torchrun, its share of the cores on a CPU)."""
-    device = place(config.device, "fp32").torch_device
+    device = place(config.device).torch_device
     ddp = init_distributed(device)
     threads, why = take_threads()  # a launched CPU rank: its share of the machine's cores (launch.py)
     if ddp.main:
@@ -190,17 +189,12 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
     """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
     torch.manual_seed(config.seed)
     device, ddp = _device_and_rank(config)
+    plan = plan_training(config, device, ddp.world)  # the run's decisions, as `elmo train --plan` prints them
+    config, vocab, precision, recipe_why = plan.config, plan.vocab, plan.precision, plan.recipe_why
     out, data = Path(config.out), Path(config.data)
-    vocab = read_vocab_file(data / VOCAB_NAME_IN_DATA)
-    check_training_vocab(vocab, str(data / VOCAB_NAME_IN_DATA))
-    counts, n_data_tokens = train_token_counts(data, len(vocab))
-    config, recipe_why = choose_for_budget(config, n_data_tokens, len(vocab), device_type=device.type)
-    steps_per_epoch = max(
-        1, (config.n_train_tokens or n_data_tokens) // (config.batch_size * config.unroll_steps * ddp.world)
-    )
-    bilm = _build_model(config, vocab, counts).to(device)
+    n_data_tokens, steps_per_epoch = plan.n_data_tokens, plan.steps_per_epoch
+    bilm = _build_model(config, vocab, plan.counts).to(device)
     kernels = bilm.prepare_training()  # what runs the steps, chosen once (elmo_core/bilm/kernels)
-    precision = place(device, config.precision).precision  # decided once, for the run
     objective = LMObjective(bilm, config.dropout, sparse=False).train()
     config, softmax_why = settle_softmax(config, objective, len(vocab), precision, out, ddp, _make_optimizer)
     objective.sparse = sparse = sparse_softmax(config, len(vocab), ddp)
@@ -219,7 +213,7 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         precision=precision,
         precision_reason=precision.why,
         vocab=vocab,
-        unigram_counts=counts,
+        unigram_counts=plan.counts,
         bilm=bilm,
         model=model,
         params=params,
@@ -239,8 +233,8 @@ def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
         ),
         tracker=NullTracker(),
         steps_per_epoch=steps_per_epoch,
-        total_steps=step_limit(config, steps_per_epoch),
-        budget=Budget(config.budget, config.budget_clock),
+        total_steps=plan.total_steps,
+        budget=plan.budget(),
         reasons=reasons,
     )
     _resume_and_track(run, tracker, n_data_tokens, sparse)
@@ -485,7 +479,7 @@ def _budget_spent(run: Run) -> bool:
     if run.budget.seconds is None:
         return False
     run.budget_spent = _agreed_max(run, run.budget.share_spent())
-    return run.budget_spent >= 1.0
+    return run.budget.exhausted(run.budget_spent)
 
 
 def _agreed(run: Run, flag: bool) -> bool:
@@ -528,7 +522,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
     stop = _StopRequest()
     try:
         if run.ddp.main and config.budget is not None:
-            log.info("%s", run.budget.line())
+            log.info("%s", run.budget.line(torch.get_num_threads(), table_measured()))
         run.budget.start()
         total, unit, done = _progress_of(run)
         with track("train", total, unit, done=done()) as progress:
@@ -540,10 +534,11 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
                     progress.update(done(), f"step {run.step:,}, loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")
                     if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
                         log_metrics(run, record, rate.rate(reset=True))
-                if run.step % run.steps_per_epoch == 0 and _steps_left(run):
-                    keep_if_best(run, evaluate_heldout(run))
-                if run.step % config.checkpoint_every == 0 and _steps_left(run):
-                    save(run)
+                with run.budget.pause():  # off the clock, as the recipe table's runs were measured
+                    if run.step % run.steps_per_epoch == 0 and _steps_left(run):
+                        keep_if_best(run, evaluate_heldout(run))
+                    if run.step % config.checkpoint_every == 0 and _steps_left(run):
+                        save(run)
                 if stop.agreed(run):
                     path = save(run)
                     raise TrainingStopped(f"stopped at step {run.step} on request; checkpoint {path}; rerun to resume")
@@ -551,7 +546,7 @@ def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
             log.info(
                 "budget spent (%.2f s of %s time) at step %d: evaluating and exporting",
                 run.budget.spent(),
-                config.budget_clock,
+                run.budget.clock,
                 run.step,
             )
         result = finish(run)
@@ -580,5 +575,5 @@ def _steps_left(run: Run) -> bool:
 def _progress_of(run: Run) -> tuple[float | None, str, Callable[[], float]]:
     """What the progress bar counts: steps, or, where the budget alone ends the run, the budget's seconds spent."""
     if run.total_steps is None:
-        return run.budget.seconds, f"s of the {run.config.budget_clock} budget", run.budget.spent
+        return run.budget.seconds, f"s of the {run.budget.clock} budget", run.budget.spent
     return run.total_steps, "steps", lambda: float(run.step)

@@ -214,6 +214,12 @@ def load_table(path: Path = TABLE) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def table_measured(path: Path = TABLE) -> dict[str, Any]:
+    """How the table's runs were measured (its clock, threads, evaluations): the clock a budget counts on
+    (``budget.resolve_clock``)."""
+    return load_table(path).get("measured", {"clock": "cpu", "threads": 1, "evaluation": "off the clock"})
+
+
 def choose_for_budget(
     config: TrainConfig, n_tokens: int, n_vocab: int, table: dict[str, Any] | None = None, device_type: str = "cpu"
 ) -> Choice:

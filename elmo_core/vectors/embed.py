@@ -9,11 +9,12 @@ dataset in pyarrow, pandas, Spark and DuckDB (``read_parquet('OUT/*.parquet')``,
     OUT/_index/          the nearest-neighbour index, once the table is indexed (``vectors/ann/``)
 
 Working files live beside OUT, never inside it, in ``.<OUT's name>.elmo/``: the tokenized copy of text input
-(Parquet that is not part of the table), a model downloaded from MLflow, and, under ``--overwrite``, the next
-table until it is complete. A unit's file appears only when complete (hidden temp file, then rename), so after a
-crash a rerun redoes just the missing units: exactly one row per input token. A run whose model, options or
-input differ from the folder's job is refused before anything is written; ``--overwrite`` builds the new table
-in the work folder and swaps it in at the end, so old and new parts are never read together.
+(Parquet that is not part of the table; ``sources.TokenizeStage``) and, under ``--overwrite``, the next table until
+it is complete (a model named by an MLflow URI lives in the runtime's download cache). A unit's file appears only
+when complete (hidden temp file, then rename), so after a crash a rerun redoes just the missing units: exactly one
+row per input token. The plan (``plan_job``) only reads; a run whose model, options or input differ from the
+folder's job is refused there, before anything is written; ``--overwrite`` builds the new table in the work folder
+and swaps it in at the end, so old and new parts are never read together.
 
 Rows (token mode): ``doc_id, sentence_id, token_index, token, text`` then either ``layer_0 … layer_L`` or ``elmo``
 (a scalar mix), each FLOAT[2P] (float32, or float16), then ``model_id``. ``pool="mean"`` gives one row per
@@ -22,6 +23,7 @@ sentence (``doc_id, sentence_id, n_tokens, text``, the vectors averaged over tok
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -33,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,40 +43,28 @@ import torch
 
 from elmo_core.bilm.inference import StateCarry
 from elmo_core.errors import InputError, OutputError
-from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
-from elmo_core.ingest import find_inputs, ingest, manifest_path, shard_paths
-from elmo_core.options import EmbedConfig, IndexConfig, IngestConfig
+from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
 from elmo_core.runtime import ModelRef, Output, Placement, Runtime, place, resolve_model
-from elmo_core.stage import run_local
+from elmo_core.stage import run_local, show_plan
 from elmo_core.vectors.ann import IndexStage, IndexSummary
+from elmo_core.vectors.sources import (
+    TokenizeStage,
+    Unit,
+    input_shards,
+    job_lock,
+    needs_tokenizing,
+    plan_units,
+    work_dir,
+)
 
-__all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "prepare"]
+__all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "plan_job"]
 
 log = logging.getLogger(__name__)
 
 JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
-LOCK_NAME = "lock"  # in the work folder: the one-writer lock of OUT (fileio.FolderLock)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Rows [start, stop) of one row group of one input shard: the unit of work, of output and of resume."""
-
-    shard: str
-    row_group: int
-    start: int
-    stop: int
-    tokens: int
-
-    @property
-    def name(self) -> str:
-        return f"part-{Path(self.shard).stem.removeprefix('part-')}-{self.row_group:05d}-{self.start:07d}.parquet"
-
-    @property
-    def size(self) -> int:
-        return self.tokens
 
 
 @dataclass
@@ -102,109 +91,20 @@ class Job:
     target: Path
     out: Path
     work: Path
+    identity: dict[str, Any]  # what ``_job.json`` records: a rerun with the same identity resumes the job
+
+    def lines(self) -> list[str]:
+        done = sum((self.target / u.name).exists() for u in self.units)
+        return [
+            self.model.line(),
+            f"on {self.placement.line()}",
+            f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens",
+            f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
+        ]
 
     @property
     def replaces(self) -> bool:
         return self.target != self.out
-
-
-def work_dir(out: Path) -> Path:
-    """The job's working folder, beside OUT: ``.<name>.elmo``."""
-    return out.parent / f".{out.name}.elmo"
-
-
-def job_lock(config: EmbedConfig) -> FolderLock:
-    """The lock a job on ``config.out`` holds from ``prepare`` to ``finish`` (``with job_lock(config): ...``):
-    a second job on the folder is refused at once, naming the holder (or waits, with ``wait``)."""
-    out = Path(config.out)
-    return FolderLock(work_dir(out) / LOCK_NAME, out, wait=config.wait)
-
-
-# ----- the input -------------------------------------------------------------------------------------------
-
-
-def _no_shards_reason(dataset: Path) -> str:
-    """Why an ingested dataset has no shards, from its manifest."""
-    con = duckdb.connect(str(manifest_path(dataset)), read_only=True)
-    try:
-        rows = con.execute("SELECT path, status, error, sentences FROM files ORDER BY path").fetchall()
-    finally:
-        con.close()
-    failed = [(p, e) for p, status, e, _ in rows if status == "failed"]
-    if failed:
-        first = failed[0][1] or "failed"
-        return (
-            f"every input was rejected ({len(failed)} files; first: {first})"
-            if len(failed) == len(rows)
-            else f"its inputs gave no sentences ({len(failed)} rejected; first: {first})"
-        )
-    return "its inputs held no sentences" if rows else "no input was ingested into it"
-
-
-def _text_input(config: EmbedConfig, work: Path) -> Path:
-    """Text files tokenized as ingest does (every line kept, no heldout split) into the work folder; reused while
-    the files are unchanged."""
-    inputs = find_inputs([config.input])
-    corpus = work / "input"
-    sources = json.dumps([[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs] + [config.tokenizer])
-    marker = corpus / "_sources.json"
-    if corpus.exists() and not (marker.exists() and marker.read_text() == sources):
-        shutil.rmtree(corpus)
-    if not marker.exists():
-        summary = ingest(
-            IngestConfig(
-                sources=[str(p) for p in inputs],
-                out=str(corpus),
-                tokenizer=config.tokenizer,
-                dedup=False,
-                heldout_fraction=0.0,
-            )
-        )
-        if summary.errors:
-            more = f" (and {len(summary.errors) - 1} more)" if len(summary.errors) > 1 else ""
-            raise InputError(f"{summary.errors[0]}{more}; fix or remove the file and run again")
-        for warning in summary.warnings:
-            log.warning("%s", warning)
-        write_text_atomic(marker, sources)
-    if not shard_paths(corpus):
-        raise InputError(f"{config.input}: no sentences to embed (every line is empty)")
-    return corpus
-
-
-def resolve_input(config: EmbedConfig, work: Path) -> tuple[Path, list[Path]]:
-    """(dataset folder, its shards): an ingested dataset as it is, or text input tokenized into the work folder."""
-    source = Path(config.input)
-    if source.is_dir() and shard_paths(source):
-        return source, shard_paths(source)
-    if source.is_dir() and (manifest_path(source)).exists():
-        raise InputError(
-            f"{source}: an ingested dataset with no shards: {_no_shards_reason(source)}; fix its inputs and "
-            "rerun `elmo ingest`"
-        )
-    corpus = _text_input(config, work)
-    return corpus, shard_paths(corpus)
-
-
-def plan_units(shards: list[Path], unit_tokens: int, split: str = "all") -> list[Unit]:
-    """Cut every row group into units of at most ``unit_tokens`` tokens (a longer sentence is a unit alone),
-    whatever the row-group size the input was written with. Rows of another split count no tokens."""
-    units: list[Unit] = []
-    for shard in shards:
-        pf = pq.ParquetFile(shard)
-        for group in range(pf.num_row_groups):
-            table = pf.read_row_group(group, columns=["n_tokens", "split"])
-            tokens = table.column("n_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
-            if split != "all":
-                tokens = np.where(pc.equal(table.column("split"), split).to_numpy(zero_copy_only=False), tokens, 0)
-            start, taken = 0, 0
-            for row, n in enumerate(tokens.tolist()):
-                if row > start and taken + n > unit_tokens:
-                    units.append(Unit(str(shard), group, start, row, taken))
-                    start, taken = row, 0
-                taken += n
-            if len(tokens) > start:
-                units.append(Unit(str(shard), group, start, len(tokens), taken))
-    return [u for u in units if u.tokens] if split != "all" else units
 
 
 # ----- the output folder -----------------------------------------------------------------------------------
@@ -254,75 +154,82 @@ def _refuse_another_job_early(out: Path, partial: dict[str, Any]) -> None:
         raise _another_job(out, differs)
 
 
-def _claim(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
-    """The folder this job writes its units to: OUT itself, or (``overwrite``) the next table in the work folder."""
+def _target(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path:
+    """Where this job writes its units (reading only): OUT itself (new, empty, or this very job's), or under
+    ``overwrite`` the next table in the work folder. Another job's folder, or files ``elmo embed`` did not write, are
+    refused in one line."""
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return out
     current = _read_job(out)
-    if entries:
-        if current is None and not any((out / name).exists() for name in LEGACY_FILES):
-            strangers = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
-            raise OutputError(
-                f"{out}: holds files that `elmo embed` did not write ({strangers}); use a new or empty --out folder"
-            )
-        differs = _differences(current, job) if current is not None else "written by an earlier version of elmo embed"
-        if not differs:
-            return out  # the same job: resume it (or find it done)
-        if not overwrite:
-            raise _another_job(out, differs)
-        target = work / "next"
-        if _read_job(target) != job:  # unless an interrupted replacement by this very job: resume that
-            shutil.rmtree(target, ignore_errors=True)
-    else:
-        target = out
-    target.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(target / JOB_FILE, json.dumps(job, indent=2) + "\n")
-    return target
+    if current is None and not any((out / name).exists() for name in LEGACY_FILES):
+        strangers = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
+        raise OutputError(
+            f"{out}: holds files that `elmo embed` did not write ({strangers}); use a new or empty --out folder"
+        )
+    differs = _differences(current, job) if current is not None else "written by an earlier version of elmo embed"
+    if not differs:
+        return out  # the same job: resume it (or find it done)
+    if not overwrite:
+        raise _another_job(out, differs)
+    return work / "next"
 
 
-def prepare(config: EmbedConfig) -> Job:
-    """Check the output folder, resolve the model (MLflow URIs too) and the input, plan the units, claim the folder.
+def _ready(job: Job) -> None:
+    """Under the job's lock, before its first unit: the folder is still as the plan found it (another job may have
+    claimed it in between), a replacement left by another job is gone, the job's record is written, and the temp
+    files of writers that died are removed."""
+    if _target(job.out, job.work, job.identity, job.config.overwrite) != job.target:
+        raise OutputError(f"{job.out}: changed by another job since this one was planned; run it again")
+    if job.replaces and _read_job(job.target) != job.identity:  # not an interrupted replacement by this very job
+        shutil.rmtree(job.target, ignore_errors=True)
+    job.target.mkdir(parents=True, exist_ok=True)
+    if _read_job(job.target) != job.identity:
+        write_text_atomic(job.target / JOB_FILE, json.dumps(job.identity, indent=2) + "\n")
+    for stale in job.target.glob(".part-*.tmp"):  # left by writers that died; no other job can be writing here
+        stale.unlink(missing_ok=True)
 
-    Everything is checked before OUT is created or touched; a failed start leaves nothing behind. Call it under
-    ``job_lock(config)``: the check and the claim of the folder are then one step no other job can split.
-    """
+
+def _model_and_options(config: EmbedConfig) -> tuple[Placement, ModelRef, dict[str, Any]]:
+    """The device and precision, the model, and the job's identity as far as it is known before its input is read;
+    a job that differs from the folder's is refused here (reading only), before text input is tokenized."""
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: is a file; --out takes a folder (new, empty, or one this job wrote)")
+    placement = place(config.device, config.precision)  # refused here, before anything is written
+    model = resolve_model(config.model)
+    known = {
+        "model_id": model.model_id,
+        "source": str(Path(config.input).resolve()),
+        "options": config.identity(exclude=frozenset({"model", "input", "out"})),
+    }
+    if not config.overwrite:
+        _refuse_another_job_early(out, known)
+    return placement, model, known
+
+
+def plan_job(config: EmbedConfig) -> Job:
+    """The stage's plan, reading only: the output folder checked, the model resolved (MLflow URIs through the
+    runtime's download cache) and placed, the input's units cut, where they go. Nothing is created or changed: the
+    claim (``_ready``, under ``job_lock``) does that; text input is tokenized before, by ``TokenizeStage``."""
+    out = Path(config.out)
     work = work_dir(out)
-    made_work = not work.exists() or sorted(p.name for p in work.iterdir()) == [LOCK_NAME]
-    try:
-        placement = place(config.device, config.precision)  # refused here, before the folder is written
-        model = resolve_model(config.model)  # a registered model: from the machine's download cache
-        known = {
-            "model_id": model.model_id,
-            "source": str(Path(config.input).resolve()),
-            "options": config.identity(exclude=frozenset({"model", "input", "out"})),
-        }
-        if not config.overwrite:
-            _refuse_another_job_early(out, known)
-        corpus, shards = resolve_input(config, work)
-        units = plan_units(shards, config.unit_tokens, config.split)
-        if not units:
-            raise InputError(f"{config.input}: no {config.split} sentences to embed")
-        identity = {
-            **known,
-            "model": config.model,
-            "input": {
-                "path": str(corpus.resolve()),
-                "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],
-            },
-            "units": [u.name for u in units],
-        }
-        target = _claim(out, work, identity, config.overwrite)
-    except BaseException:
-        if made_work:
-            shutil.rmtree(work, ignore_errors=True)
-        raise
-    for stale in target.glob(".part-*.tmp"):  # left by writers that died; no other job can be writing here
-        stale.unlink(missing_ok=True)
-    if work.is_dir() and not any(work.iterdir()):
-        work.rmdir()
-    return Job(config, placement, model, identity["model_id"], units, target, out, work)
+    placement, model, known = _model_and_options(config)
+    corpus, shards = input_shards(config, work)
+    units = plan_units(shards, config.unit_tokens, config.split)
+    if not units:
+        raise InputError(f"{config.input}: no {config.split} sentences to embed")
+    identity = {
+        **known,
+        "model": config.model,
+        "input": {
+            "path": str(corpus.resolve()),
+            "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],
+        },
+        "units": [u.name for u in units],
+    }
+    target = _target(out, work, identity, config.overwrite)
+    return Job(config, placement, model, identity["model_id"], units, target, out, work, identity)
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -507,19 +414,26 @@ _LOADED: dict[tuple[str, str], Embedder] = {}  # the model a process has loaded,
 
 
 class EmbedStage:
-    """Embedding as a stage (``elmo_core.stage``): claim the folder, plan the units, embed each, finish the table.
-    A process loads the model with its first unit and keeps it for the job's next ones."""
+    """Embedding as a stage (``elmo_core.stage``): plan the units (reading only), claim the folder (the lock, then the
+    folder readied: ``_ready``), embed each unit, finish the table. A process loads the model with its first unit
+    and keeps it for the job's next ones."""
 
     name, counts = "embed", "tokens"
 
     def __init__(self, show_kernels: bool = False) -> None:
         self.show_kernels = show_kernels  # log the kernels, and oneDNN's log of the first batch
 
-    def claim(self, config: EmbedConfig) -> FolderLock:
-        return job_lock(config)
+    def identity(self, config: EmbedConfig) -> dict[str, Any]:
+        return plan_job(config).identity
 
     def plan(self, config: EmbedConfig) -> Job:
-        return prepare(config)
+        return plan_job(config)
+
+    @contextlib.contextmanager
+    def claim(self, job: Job) -> Iterator[None]:
+        with job_lock(job.config):
+            _ready(job)
+            yield
 
     def run_unit(self, job: Job, unit: Unit, report: Callable[[int], None] | None = None) -> UnitResult:
         key = (job.model_id, job.config.model_dump_json() + job.placement.line())
@@ -532,11 +446,40 @@ class EmbedStage:
         return finish(job, results, seconds)
 
 
-def embed(config: EmbedConfig, show_kernels: bool = False, run: Callable[[Any, Any], Any] = run_local) -> EmbedSummary:
-    """An embedding job: the table, then (``index``) its nearest-neighbour index, each stage driven by ``run`` (this
-    process by default; the embed flow passes ``flows.common.run_stage``, which maps the units over Prefect tasks).
-    A rerun does only what is missing. ``show_kernels``: log what runs, and oneDNN's log of the first batch."""
-    table: EmbedSummary = run(EmbedStage(show_kernels), config)
+def stages(config: EmbedConfig, show_kernels: bool = False) -> list[tuple[Any, Any]]:
+    """The stages an embedding job runs, in order, each with its options: text tokenized first where it has to be,
+    the table, then (``index``) its nearest-neighbour index."""
+    steps: list[tuple[Any, Any]] = []
+    if needs_tokenizing(config):
+        _model_and_options(config)  # another job's folder is refused before any text is tokenized
+        steps.append((TokenizeStage(), config))
+    steps.append((EmbedStage(show_kernels), config))
     if config.index:
-        table.index = run(IndexStage(), IndexConfig(table=config.out, wait=config.wait))
+        steps.append((IndexStage(), IndexConfig(table=config.out, wait=config.wait)))
+    return steps
+
+
+def plan_lines(config: EmbedConfig) -> list[str]:
+    """``elmo embed --plan``: each stage's plan, reading only. Text input not yet tokenized has no units to show
+    until it is: its tokenizing is planned, and the model and where it runs are resolved as the job would."""
+    lines: list[str] = []
+    for stage, options in stages(config):
+        if isinstance(stage, EmbedStage) and needs_tokenizing(config):
+            placement, model, _ = _model_and_options(config)
+            lines += ["embed: units are cut once the text is tokenized", model.line(), f"on {placement.line()}"]
+        elif isinstance(stage, IndexStage) and not Path(config.out).is_dir():
+            lines.append("index: built once the table is written")
+        else:
+            lines += show_plan(stage, options)
+    return lines
+
+
+def embed(config: EmbedConfig, show_kernels: bool = False, run: Callable[[Any, Any], Any] = run_local) -> EmbedSummary:
+    """An embedding job (``stages``), each stage driven by ``run`` (this process by default; the embed flow passes
+    ``flows.common.run_stage``, which maps the units over Prefect tasks). A rerun does only what is missing.
+    ``show_kernels``: log what runs, and oneDNN's log of the first batch."""
+    results = [run(stage, options) for stage, options in stages(config, show_kernels)]
+    table: EmbedSummary = next(r for r in results if isinstance(r, EmbedSummary))
+    if config.index:
+        table.index = results[-1]
     return table

@@ -41,12 +41,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from elmo_core.bilm.initialization import random_model
 from elmo_core.bilm.scalar_mix import ScalarMix
+from elmo_core.config import tiny
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.progress import track
-from elmo_core.runtime import Output, Runtime
+from elmo_core.runtime import Output, Runtime, resolve_model
 from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable
@@ -536,6 +538,18 @@ def _finish(
 # ----- the demo: one look at polysemy -----------------------------------------------------------------------
 
 
+def demo(model: str | None, text: Path, data: Path) -> list[str]:
+    """``elmo demo``: the model asked for, else the main job's (``data/export``), else a random tiny one (said so)."""
+    source = model
+    if model is None and (data / "export" / "options.json").exists():
+        model, source = str(data / "export"), f"{data / 'export'} (the main job's model)"
+    elif model is None:
+        model = str(random_model(tiny(), data / "models" / "random-tiny"))
+        source = f"{model} (random weights: no model given and no main job's model in {data / 'export'})"
+    sentences = [line.split() for line in text.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [f"model        {source}", *polysemy_table(Runtime.open(model), sentences)]
+
+
 def polysemy_table(runtime: Runtime, sentences: list[list[str]]) -> list[str]:
     """``elmo demo``: embed ``sentences``, then the top layer's cosine between every use of apple / 苹果 as a table
     (the fruit's uses near each other, the company's apart). Returns the lines to print."""
@@ -571,6 +585,16 @@ class ProbeStage(WholeStage):
     """A probe as a stage, one unit: the word-sense probe for a ``WsdConfig``, the tagging probe for a ``TagConfig``."""
 
     name = "probe"
+
+    def decide(self, config: WsdConfig | TagConfig) -> list[str]:
+        if config.tracking == "mlflow":
+            check_reachable(config.tracking_uri)  # in seconds, before any work
+        model = resolve_model(config.model)  # the files it will read, refused here where there is no model
+        if isinstance(config, WsdConfig):
+            what = f"word-sense 1-NN per layer on {config.data or DEFAULT_DIR}"
+        else:
+            what = f"a tagging probe per layer on {config.train} (dev {config.dev}), column {config.column}"
+        return [model.line(), f"{what}, precision {config.precision}, device {config.device}"]
 
     def work(self, config: WsdConfig | TagConfig) -> dict[str, Any]:
         return run_wsd(config) if isinstance(config, WsdConfig) else run_tag(config)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from elmo_core.vectors.ann.files import (
     read_header,
     read_shards,
 )
-from elmo_core.vectors.ann.table import TableFacts, first_schema, normalized, pick_column, vectors_of
+from elmo_core.vectors.ann.table import TableFacts, normalized, vectors_of
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class BuildPlan:
     dropped: list[ShardRecord]
     todo: list[ShardRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    wait: bool = False  # a second build on the folder waits for the first instead of failing
+    config: Any = None  # the options it was planned from (the claim plans again under the lock)
 
     @property
     def units(self) -> list[ShardRecord]:
@@ -59,6 +62,11 @@ class BuildPlan:
     @property
     def rows_todo(self) -> int:
         return sum(s.rows for s in self.todo)
+
+    def lines(self) -> list[str]:
+        start = "a new index (the quantizer trained anew)" if self.fresh else f"{len(self.kept)} shards kept"
+        dropped = f", {len(self.dropped)} stale shards dropped" if self.dropped else ""
+        return [f"{start}{dropped}; {len(self.todo)} shards to build ({self.rows_todo:,} rows) -> {self.folder}"]
 
 
 def plan_build(table: Path, layer: str | None, shard_rows: int, rebuild: bool = False, **tuning: Any) -> BuildPlan:
@@ -229,7 +237,10 @@ def _write_meta(path: Path, order_path: Path, keys_path: Path, chunks: list[pa.T
 
 
 def build_lock(table: Path, column: str, wait: bool = False) -> FolderLock:
-    folder = index_dir(table, column)
+    return _folder_lock(index_dir(table, column), wait)
+
+
+def _folder_lock(folder: Path, wait: bool) -> FolderLock:
     return FolderLock(folder / "lock", folder, wait=wait)
 
 
@@ -270,18 +281,25 @@ class IndexStage:
 
     name, counts = "index", "rows"
 
-    def claim(self, config: IndexConfig) -> FolderLock:
-        table = Path(config.table)
-        column = pick_column(first_schema(table).names, config.layer, table)  # checked before _index/<column> is made
-        return build_lock(table, column, config.wait)
+    def identity(self, config: IndexConfig) -> dict[str, Any]:
+        return config.identity()
 
     def plan(self, config: IndexConfig) -> BuildPlan:
+        """What the build does, reading the table and the index only (``make_room`` acts on it, in the claim)."""
         tuning = {"nlist": config.nlist, "nprobe": config.nprobe}
         plan = plan_build(Path(config.table), config.layer, config.shard_rows, config.rebuild, **tuning)
-        for note in plan.notes:
-            log.info("index: %s", note)
-        make_room(plan)
+        plan.wait, plan.config = config.wait, config
         return plan
+
+    @contextlib.contextmanager
+    def claim(self, plan: BuildPlan) -> Iterator[None]:
+        """The index folder's lock, then the room made: stale shards dropped, the quantizer trained where new."""
+        with _folder_lock(plan.folder, plan.wait):
+            vars(plan).update(vars(self.plan(plan.config)))  # planned again under the lock: another build may have run
+            for note in plan.notes:
+                log.info("index: %s", note)
+            make_room(plan)
+            yield
 
     def run_unit(self, plan: BuildPlan, shard: ShardRecord, report: Callable[[int], None] | None = None) -> ShardRecord:
         import faiss
