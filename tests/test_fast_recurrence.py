@@ -30,6 +30,7 @@ CLIPS = [
     {"cell_clip": 3.0, "proj_clip": 3.0},  # the published models' clips
     {"cell_clip": 0.05, "proj_clip": 0.02},  # clips that bite at most cells
     {"cell_clip": 3.0, "proj_clip": 3.0, "projection_dim": 64},  # no projection: h is m
+    {"cell_clip": None, "proj_clip": None},  # no clips (nn.LSTM's model by default; here forced onto the cell)
 ]
 compiles = pytest.mark.skipif(
     not layer_steps.compile_available(torch.device("cpu"))[0],
@@ -50,7 +51,7 @@ def _reference_and_layered(bilm: BiLM, ids: torch.Tensor, state=None, **choices)
     with torch.no_grad():
         bilm.kernels = None
         reference = bilm(ids, state=state)
-        assert bilm.prepare("fp32", layer_at_once=True, **choices).layer_at_once
+        assert bilm.prepare("fp32", layer_at_once=True, nn_lstm=False, **choices).layer_at_once
         return reference, bilm(ids, state=state)
 
 
