@@ -1,5 +1,7 @@
 """CUDA paths (run with ``pytest -m gpu`` on a machine with a GPU; deselected by default)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -112,7 +114,7 @@ def test_two_gpu_ranks_train_with_nccl_to_identical_weights(tmp_path, bilm_tf_di
 
 # ----- the clipped recurrence a layer at a time (kernels/layer_steps.py), the batch job and the server on CUDA -----
 
-NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}  # cuDNN's convolutions in true fp32 in a process started with it
+NO_TF32 = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0"}  # a child's cuDNN convolutions in true fp32 (the rest kept)
 
 
 @pytest.fixture
@@ -230,7 +232,7 @@ def test_an_embedding_job_on_cuda_writes_the_cpu_s_table(tmp_path, allennlp_dir)
         np.testing.assert_allclose(np.stack(on_gpu[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)
 
 
-def test_a_server_on_cuda_answers_what_the_runtime_gives(tmp_path, allennlp_dir):
+def test_a_server_on_cuda_answers_what_the_runtime_gives(no_tf32, tmp_path, allennlp_dir):
     import base64
     import sys
     import time
@@ -252,7 +254,7 @@ def test_a_server_on_cuda_answers_what_the_runtime_gives(tmp_path, allennlp_dir)
         "--device",
         "cuda",
     ]
-    server = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log")
+    server = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", env=NO_TF32)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300  # the model process compiles and captures on its first batches
