@@ -482,3 +482,21 @@ def test_other_precisions_run_as_for_any_model(release, expected, precision):
     for got, want in zip(runtime.embed(SENTENCES), expected, strict=True):
         cosine = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
         assert cosine.min() > 0.99, precision
+
+
+def test_the_network_config_is_found_in_the_folder_beside_it_or_among_the_published(tmp_path):
+    """``config_path`` names a file on the publisher's machine: its name is looked for in the folder, then beside the
+    folder, then among the published defaults (their 2x4096_512 network); another name is refused naming it."""
+    from elmo_core.bilm.manylangs import network_of, published_network
+
+    folder = write_release(tmp_path / "nl.model", SMALL, WORDS[:3], beside=False)
+    network, where = network_of(folder)
+    assert network == published_network() and where == "the published cnn_50_100_512_4096_sample.json"
+    assert network["encoder"]["dim"] == 4096 and network["token_embedder"]["word_dim"] == 100
+    (tmp_path / "cnn_50_100_512_4096_sample.json").write_text(json.dumps(SMALL))
+    assert network_of(folder) == (SMALL, str(tmp_path / "cnn_50_100_512_4096_sample.json"))
+    (folder / "cnn_50_100_512_4096_sample.json").write_text(json.dumps(SMALL))
+    assert network_of(folder)[1] == str(folder / "cnn_50_100_512_4096_sample.json")
+    _edit_json(folder / "config.json", lambda d: d.update(config_path="/elsewhere/mine.json"))
+    with pytest.raises(ElmoError, match="mine.json is neither in"):
+        network_of(folder)
