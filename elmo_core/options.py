@@ -228,10 +228,10 @@ class TrainOptions(Options):
         description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs (if "
         "given) or max_steps still stop it first",
     )
-    budget_clock: Literal["auto", "wall", "cpu"] = Field(
-        "auto",
-        description="what the budget counts: auto (the recipe table's clock: cpu time on a CPU, wall on a GPU), "
-        "wall (the clock) or cpu (this process's CPU time, all threads); evaluations are off the clock",
+    budget_clock: Literal["wall", "cpu"] = Field(
+        "wall",
+        description="what the budget counts: wall (the clock) or cpu (this process's CPU time, all threads: the "
+        "recipe table's clock with one thread); evaluations and checkpoints are off the clock",
     )
     n_train_tokens: int | None = Field(
         None, gt=0, description="fixes the steps per epoch; default: counted from the data"

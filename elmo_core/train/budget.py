@@ -1,12 +1,13 @@
-"""The time a training may spend (``budget``): counted on one clock, the one its recipe table was measured on, and
-carried across resumes in the checkpoints, so a run stopped at 20 of its 30 minutes and resumed stops at 30, not 50.
+"""The time a training may spend (``budget``): counted on one clock, with evaluations and checkpoints off it as the
+recipe table's runs were measured, and carried across resumes in the checkpoints, so a run stopped at 20 of its 30
+minutes and resumed stops at 30, not 50.
 
-The table a budget picks its recipe from (``recipe_table.json``) was measured in CPU time of one thread, with the
-heldout evaluations off the clock (``bench/cpu_recipe.py``, which counts through this class too). So a budget's
-clock is, by default (``budget_clock: auto``), the table's clock on a CPU (this process's CPU time, every thread's)
-with evaluations and checkpoints paused out of it, and the wall clock on a GPU (where CPU time says nothing of the
-work done). The trainer stops by ``exhausted`` and anneals by ``share_spent``; the plan's line says which clock,
-and how it differs from the table's where it does (the threads).
+The table a budget picks its recipe from (``recipe_table.json``, its ``measured`` record) was measured in CPU time
+of one thread, evaluations off the clock (``bench/cpu_recipe.py``, which counts through this class too). A budget
+counts wall time by default: a user's 30 minutes are the clock's, and a process with more threads does at least
+one thread's work in a wall minute, so the table's recipe at 30 CPU-minutes is a fair (if cautious) pick; the plan's
+line says so. ``budget_clock: cpu`` counts this process's CPU time instead (every thread's: with one thread, the
+table's own clock). The trainer stops by ``exhausted`` and anneals by ``share_spent``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,6 @@ from typing import Any
 from elmo_core.options import TrainConfig, budget_seconds
 
 
-def resolve_clock(asked: str, device_type: str, table: dict[str, Any] | None = None) -> str:
-    """``auto`` ─► the table's clock on a CPU, the wall clock elsewhere; ``wall`` and ``cpu`` as asked."""
-    if asked != "auto":
-        return asked
-    return (table or {}).get("clock", "cpu") if device_type == "cpu" else "wall"
-
-
 class Budget:
     """``seconds`` of ``clock`` time ("wall" or "cpu": this process's CPU time, every thread's), ``spent_before``
     of it spent by the processes this run resumes; no budget: never exhausted. ``pause()`` takes a block (an
@@ -33,7 +27,7 @@ class Budget:
 
     def __init__(self, budget: str | None = None, clock: str = "wall", spent_before: float = 0.0) -> None:
         if clock not in ("wall", "cpu"):
-            raise ValueError(f"a budget's clock is wall or cpu (resolve 'auto' with resolve_clock), got {clock!r}")
+            raise ValueError(f"a budget's clock is wall or cpu, got {clock!r}")
         self.seconds = budget_seconds(budget) if budget is not None else None
         self.clock, self.spent_before = clock, spent_before
         self._started: float | None = None
@@ -83,7 +77,7 @@ class Budget:
         if table:
             measured = f"the recipe table was measured on {table['clock']} time of {table['threads']} thread(s)"
             same = table["clock"] == self.clock and (threads is None or threads == table["threads"])
-            text += f"; {measured}" + ("" if same else f", this run has {threads or '?'} on {self.clock} time")
+            text += f"; {measured}" + ("" if same else f", this run counts {self.clock} time with {threads} threads")
         return text
 
 

@@ -20,7 +20,7 @@ from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_
 from elmo_core.options import TrainConfig
 from elmo_core.precision import Precision
 from elmo_core.runtime import place
-from elmo_core.train.budget import Budget, resolve_clock, step_limit
+from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.evaluate import train_token_counts
 from elmo_core.train.recipe import choose_for_budget, describe_softmax, table_measured
 
@@ -82,5 +82,5 @@ def plan_training(config: TrainConfig, device: torch.device | str | None = None,
         n_data_tokens=n_data_tokens,
         steps_per_epoch=steps_per_epoch,
         total_steps=step_limit(config, steps_per_epoch),
-        clock=resolve_clock(config.budget_clock, device.type, table_measured()),
+        clock=config.budget_clock,
     )

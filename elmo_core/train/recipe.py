@@ -215,8 +215,8 @@ def load_table(path: Path = TABLE) -> dict[str, Any]:
 
 
 def table_measured(path: Path = TABLE) -> dict[str, Any]:
-    """How the table's runs were measured (its clock, threads, evaluations): the clock a budget counts on
-    (``budget.resolve_clock``)."""
+    """How the table's runs were measured (its clock, threads, evaluations), which a budget's line compares with
+    the clock the run counts (``budget.Budget.line``)."""
     return load_table(path).get("measured", {"clock": "cpu", "threads": 1, "evaluation": "off the clock"})
 
 
