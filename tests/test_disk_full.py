@@ -296,6 +296,31 @@ def test_export(tmp_path, trained_run):
         assert digests(model) == digests(reference)
 
 
+@pytest.mark.slow
+def test_an_export_that_fails_anyway_leaves_the_model_as_it_was(tmp_path, trained_run):
+    """A write that fills the disk after the room was checked (here the filesystem's file entries, which the kernel
+    reports as ENOSPC too): the one line, the model folder that was there unchanged, nothing half-made."""
+    reference = tmp_path / "reference"
+    assert run_elmo("export", "--run", str(trained_run), "--out", str(reference)).returncode == 0
+    step_10 = str(list_checkpoints(trained_run)[0])
+    with tmpfs(tmp_path / "disk", 2048) as disk:
+        model = disk / "model"
+        assert run_elmo("export", "--checkpoint", step_10, "--out", str(model)).returncode == 0
+        kept = digests(model)
+        stat = os.statvfs(disk)
+        used = stat.f_files - stat.f_ffree
+        # two entries left: the temporary folder and its options.json, not the weights beside them
+        subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 2}", str(disk)], check=True)
+        line = assert_disk_full_line(
+            run_elmo("export", "--run", str(trained_run), "--out", str(model)), "export", model
+        )
+        assert f"; {model} is as it was; " in line
+        assert digests(model) == kept and leftovers(disk) == []
+        subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 100}", str(disk)], check=True)
+        assert run_elmo("export", "--run", str(trained_run), "--out", str(model)).returncode == 0
+        assert leftovers(disk) == [] and digests(model) == digests(reference)
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory: pytest.TempPathFactory, dataset: Path) -> Path:
     """The reference embedding table: 9,000 tokens of the dataset, in units of about 1,000 tokens."""
