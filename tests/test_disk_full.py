@@ -462,3 +462,15 @@ def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table):
         assert run_module("flows.embed", config.model_dump_json(), env=env).returncode == 0
         assert leftovers(disk) == []
         assert_same_table(out, table)
+
+
+def test_the_flows_boundary_maps_a_real_full_disk(tmp_path):
+    """``flows.common.disk_full_as_one_line``, around every task of the main job and every ``run_stage``: the kernel's
+    ENOSPC becomes the one line naming the stage's folder, the original kept as its cause."""
+    from flows.common import disk_full_as_one_line
+
+    with tmpfs(tmp_path / "disk", 64) as disk:
+        with pytest.raises(DiskFullError) as failed, disk_full_as_one_line(disk / "out"):
+            (disk / "big").write_bytes(b"x" * 200_000)
+        assert str(failed.value).startswith(f"{disk / 'out'}: the disk is full (")
+        assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == 28
