@@ -3,7 +3,7 @@
     .venv/bin/python bench/embed_throughput.py [--shapes small,original] [--repeats 5] [--no-allennlp] [--onednn-verbose]
                                                [--precisions fp32,bf16,int8] [--device cpu|cuda] [--baseline]
                                                [--workloads uniform,long-tailed] [--sentences 96]
-                                               [--max-batch-tokens N]
+                                               [--max-batch-tokens N] [--candidates bf16]
 
 For each shape, random bilm-tf-initialised weights written as options.json + weights.hdf5, and two workloads:
 * uniform: 64 sentences of 10-40 tokens drawn from a Zipfian vocabulary of made-up words;
@@ -17,8 +17,10 @@ measured in the same process, and the accuracy of bf16 against fp32 per layer on
 
 On a GPU (``--device cuda --precisions fp32,bf16 --no-allennlp``): ``--baseline`` also times, alternating with ours
 in the same process, the reference LSTM cell (``layer_at_once=False``: what ran on CUDA before
-``kernels/layer_steps.py``), and prints its tok/s and ours against it; ``--sentences N`` real sentences (the pool of
-3,025 repeated in a new order past it) feed the GPU; ``--max-batch-tokens`` defaults to the runtime's budget for the
+``kernels/layer_steps.py``), and prints its tok/s and ours against it; ``--candidates bf16`` also the
+layer-at-a-time cell's parts alone in that precision (CUDA graphs of the uncompiled step; the compiled step without
+graphs); ``--sentences N`` real sentences (the pool of 3,025 repeated in a new order past it) feed the GPU;
+``--max-batch-tokens`` defaults to the runtime's budget for the
 device (``runtime.engine.token_budget``: 8,192 on a CPU).
 """
 
@@ -49,6 +51,8 @@ from elmo_core.runtime.engine import token_budget  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402  (after elmo_core: under ELMO_CPU_ISA=avx2 it holds torch to AVX2 as torch loads)
+
+CANDIDATES = ("graphs of PyTorch ops (not compiled)", "compiled steps from Python (no CUDA graphs)")
 
 
 def make_sentences(n: int = 64, seed: int = 0) -> list[list[str]]:
@@ -152,12 +156,17 @@ def time_ours(
     precisions: list[str],
     max_batch_tokens: int = 8192,
     baseline: bool = False,
+    candidates: str = "",
 ) -> tuple[dict[str, float], dict[str, list[np.ndarray]]]:
     """Median seconds per precision, the precisions alternating so all see the same machine; and the vectors. With
-    ``baseline`` also each precision on the reference LSTM cell (key ``"<precision> reference"``), in the rounds."""
+    ``baseline`` also each precision on the reference LSTM cell (key ``"<precision> reference"``), in the rounds;
+    ``candidates`` (a precision): also the layer-at-a-time cell without compiling and without CUDA graphs in it."""
     runs = {p: (p, {}) for p in precisions}
     if baseline:
         runs.update({f"{p} reference": (p, {"layer_at_once": False}) for p in precisions})
+    if candidates:
+        runs[f"{candidates} {CANDIDATES[0]}"] = (candidates, {"compiled": False})
+        runs[f"{candidates} {CANDIDATES[1]}"] = (candidates, {"graphs": False})
 
     def once(name: str, seconds: list[float] | None = None) -> list[np.ndarray]:
         precision, choices = runs[name]
@@ -235,6 +244,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="uniform,long-tailed")
     parser.add_argument("--sentences", type=int, default=96, help="real sentences of the long-tailed workload")
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: the runtime's for the device")
+    parser.add_argument(
+        "--candidates", default="", help="a precision: also LayerCell without compiling, without graphs"
+    )
     args = parser.parse_args()
     precisions = ["fp32", *(p for p in args.precisions.split(",") if p and p != "fp32")]
 
@@ -275,7 +287,14 @@ def main() -> None:
             notes.append(f"{shape}: {budget:,} padded tokens a forward pass ({why})")
             for name, sentences in workloads.items():
                 n_tokens = sum(len(s) for s in sentences)
-                seconds, vectors = time_ours(bilm, sentences, args.repeats, precisions, budget, args.baseline)
+                seconds, vectors = time_ours(
+                    bilm, sentences, args.repeats, precisions, budget, args.baseline, args.candidates
+                )
+                notes += [
+                    f"{shape} {name} {args.candidates} layer at a time, {c}: "
+                    f"{n_tokens / seconds[f'{args.candidates} {c}']:,.0f} tok/s"
+                    for c in (CANDIDATES if args.candidates else ())
+                ]
                 notes += [
                     f"{shape} {name} {p} without LayerCell (layer_at_once=False: on CUDA the reference cell): "
                     f"{n_tokens / seconds[f'{p} reference']:,.0f} tok/s; ours {seconds[f'{p} reference'] / seconds[p]:.2f}x "

@@ -59,7 +59,7 @@ print(\"torch\", torch.__version__, \"CUDA\", torch.version.cuda, \"cuDNN\", tor
       \"GPU\", torch.cuda.get_device_name(), \"Triton\", has_triton())'"
 step pytest_gpu 220 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs
 step embed_original 120 $PY bench/embed_throughput.py --device cuda --shapes original --precisions fp32,bf16 \
-    --baseline --no-allennlp --workloads long-tailed --sentences 3025 --repeats 3
+    --baseline --candidates bf16 --no-allennlp --workloads long-tailed --sentences 3025 --repeats 3
 step train_original_512 80 $PY bench/train_throughput.py --device cuda --shapes original --batches 512 --steps 20
 step embed_small 40 $PY bench/embed_throughput.py --device cuda --shapes small --precisions fp32 --no-allennlp \
     --workloads long-tailed --sentences 3000 --repeats 3
