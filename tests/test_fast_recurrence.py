@@ -137,6 +137,10 @@ def test_chosen_once_and_named_cuda_s_default_the_cpu_keeps_its_c_kernels(monkey
     assert not cpu.layer_at_once and "a layer at a time" not in str(cpu)  # measured slower here: docs/what-runs.md
     cuda = choice.choose(torch.device("cuda"), "fp32", lstm)
     assert cuda.layer_at_once and cuda.cpu_cells and "the clipped LSTM a layer at a time" in str(cuda)
+    assert not choice.choose(torch.device("cuda"), "fp32", lstm, cpu_cells=False).cpu_cells  # the reference asked for
+    if "int8" in choice.offered_precisions("cpu"):
+        with pytest.raises(ValueError, match="no int8 products"):
+            choice.choose(torch.device("cpu"), "int8", lstm, layer_at_once=True)
     monkeypatch.setenv("ELMO_NO_LAYER_STEPS", "1")
     assert not choice.choose(torch.device("cuda"), "fp32", lstm).cpu_cells  # the reference cell
     unclipped = lstm.model_copy(update={"cell_clip": None, "proj_clip": None})

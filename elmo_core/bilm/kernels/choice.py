@@ -144,16 +144,18 @@ def choose(
 ) -> Kernels:
     """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
     else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
-    gate kernel where it builds; on CUDA the reference. Each choice can be forced (the tests run every combination);
-    ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In fp32 with the C
-    library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or ``ELMO_NO_STEP_LOOP=1``: never).
+    gate kernel where it builds; on CUDA ``layer_steps.LayerCell`` (below). Each choice can be forced (the tests run
+    every combination); ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In
+    fp32 with the C library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or
+    ``ELMO_NO_STEP_LOOP=1``: never).
     On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
-    the reference), its steps compiled where ``torch.compile`` runs (``compiled``; ``ELMO_NO_COMPILE=1``) and
-    replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where ``layer_at_once=True``."""
+    the reference, as does ``cpu_cells=False``), its steps compiled where ``torch.compile`` runs (``compiled``;
+    ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where
+    ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
-    if _layer_at_once(device, layer_at_once):
+    if cpu_cells is not False and _layer_at_once(device, precision, layer_at_once):
         return _layer_kernels(device, precision, compiled, graphs)
     on_cpu = device.type == "cpu"
     if not (on_cpu if cpu_cells is None else cpu_cells):
@@ -183,11 +185,13 @@ def choose(
     )
 
 
-def _layer_at_once(device: torch.device, forced: bool | None) -> bool:
+def _layer_at_once(device: torch.device, precision: str, forced: bool | None) -> bool:
     """``LayerCell`` by default on CUDA (measured on the CPU: its C kernels are faster, ``docs/what-runs.md``)."""
+    if forced and precision == "int8":
+        raise ValueError("the layer-at-a-time LSTM has no int8 products: use layer_at_once=False in int8")
     if forced is not None:
         return forced
-    return device.type == "cuda" and os.environ.get("ELMO_NO_LAYER_STEPS") != "1"
+    return device.type == "cuda" and precision != "int8" and os.environ.get("ELMO_NO_LAYER_STEPS") != "1"
 
 
 def _layer_kernels(device: torch.device, precision: str, compiled: bool | None, graphs: bool | None) -> Kernels:
