@@ -500,3 +500,23 @@ def test_the_network_config_is_found_in_the_folder_beside_it_or_among_the_publis
     _edit_json(folder / "config.json", lambda d: d.update(config_path="/elsewhere/mine.json"))
     with pytest.raises(ElmoError, match="mine.json is neither in"):
         network_of(folder)
+
+
+def test_for_a_bilm_tf_model_the_fresh_softmax_is_the_trainers_own():
+    """``for_vocabulary`` on a bilm-tf model: what the trainer's fine-tuning built before (a new model of the config
+    with the softmax's rows, the weights but the softmax loaded, ``init_softmax``), draw for draw."""
+    from elmo_core.bilm.fine_tune import for_vocabulary
+    from elmo_core.bilm.initialization import init_softmax
+    from elmo_core.bilm.model import BiLM
+    from tests.helpers import random_tiny_model
+
+    bilm, vocab, counts = random_tiny_model(seed=2), ["<S>", "</S>", "<UNK>", "apple", "pie"], np.arange(5.0)
+    torch.manual_seed(7)
+    before = BiLM(bilm.config.model_copy(update={"n_tokens_vocab": 5}), vocab=vocab)
+    before.load_state_dict({k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False)
+    init_softmax(before, counts)
+    torch.manual_seed(7)
+    now = for_vocabulary(bilm, vocab, counts)
+    assert now.training and now.dictionaries is None and now.vocab == vocab
+    for key, value in before.state_dict().items():
+        torch.testing.assert_close(now.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -34,8 +34,9 @@ def their_rows(n: int, dim: int, generator: torch.Generator | None = None) -> to
 
 
 def for_vocabulary(bilm: BiLM, vocab: Sequence[str], unigram_counts: np.ndarray | None = None, seed: int = 0) -> BiLM:
-    """A copy of ``bilm`` on its device with a fresh softmax over ``vocab`` (``init_softmax``); an ELMoForManyLangs
-    model's dictionaries grow by ``vocab``'s new words and characters, with new rows in its tables."""
+    """A copy of ``bilm`` on its device, in training mode, with a fresh softmax over ``vocab`` (``init_softmax``: a
+    bilm-tf model gets what the trainer gave it before, to the random draw); an ELMoForManyLangs model's dictionaries
+    grow by ``vocab``'s new words and characters, with new rows in its tables."""
     config = bilm.config.model_copy(update={"n_tokens_vocab": len(vocab)})
     state = {k: v.detach().cpu() for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}
     dics = bilm.dictionaries
@@ -63,4 +64,4 @@ def for_vocabulary(bilm: BiLM, vocab: Sequence[str], unigram_counts: np.ndarray 
     if unexpected or [k for k in missing if not k.startswith("softmax.")]:
         raise RuntimeError(f"the model's weights do not fit its copy: missing {missing}, unexpected {unexpected}")
     init_softmax(fresh, unigram_counts)
-    return fresh.to(bilm.device).train(bilm.training)
+    return fresh.to(bilm.device)  # in training mode, as a model built to train
