@@ -331,18 +331,18 @@ def test_a_release_is_converted_once_and_then_resolved_without_torch(tmp_path):
 
 
 def test_exported_it_is_a_model_folder_that_mlflow_registers(tmp_path, release, expected, monkeypatch):
-    """``elmo export``'s conversion keeps char.dic and word.dic beside options.json (with its ``manylangs`` section)
-    and weights.hdf5; the folder, registered in MLflow, opens as ``models:/NAME/1`` and as the pyfunc model (the
-    plain mean of the layers, their ``output_layer=-1``) with their numbers."""
+    """``elmo export --run RELEASE`` converts it, char.dic and word.dic kept beside options.json (with its
+    ``manylangs`` section) and weights.hdf5; the folder, registered in MLflow, opens as ``models:/NAME/1`` and as the
+    pyfunc model (the plain mean of the layers, their ``output_layer=-1``) with their numbers."""
     import mlflow
     import pandas as pd
 
     from elmo_core.runtime import Runtime
     from elmo_core.tracking import MLflowTracker
-    from elmo_core.train.export import export_checkpoint
 
     out = tmp_path / "exported"
-    assert export_checkpoint(release, out) == (0, release)
+    done = run_elmo("export", "--run", str(release), "--out", str(out), env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["char.dic", "options.json", "weights.hdf5", "word.dic"]
     options = json.loads((out / "options.json").read_text())
     chars, words = len(_their_dic(release / "char.dic")), len(_their_dic(release / "word.dic"))
