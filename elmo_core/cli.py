@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import traceback
 import types
@@ -203,13 +202,10 @@ def cmd_vocab(config: VocabConfig) -> None:
 def cmd_train(config: TrainConfig) -> None:
     from elmo_core.stage import run_local
     from elmo_core.train.evaluate import describe_perplexity
-    from elmo_core.train.launch import TrainStage, write_result
+    from elmo_core.train.launch import TrainStage
 
     result = run_local(TrainStage(), config)  # --nproc-per-node N: torch.distributed.run with N ranks
-    if os.environ.get("ELMO_RESULT_FILE"):  # a rank of a launch: rank 0 tells the launcher, which reports
-        write_result(result)  # type: ignore[arg-type]
-        return
-    if result is None:  # another machine than node 0: its launcher has said so
+    if result is None:  # a rank of a launch, or a machine other than node 0: the launcher on node 0 reports
         return
     print(
         f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} "

@@ -13,6 +13,7 @@ the launch on another machine ends with one line saying so.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -24,6 +25,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,7 +63,10 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
     """Train (or resume) with the launch options of ``config``; see the module docstring. Rank 0's result, or None
     on a machine other than node 0 (whose launcher has it)."""
     per_node, nodes = world_of(config)
-    if per_node * nodes == 1 or this_process().launched:  # one process, or already a rank of a launch
+    if this_process().launched:  # a rank of a launch: rank 0 tells the launcher, which reports
+        write_result(train(config))
+        return None
+    if per_node * nodes == 1:
         return train(config)
     folder = Path(config.out) / LAUNCH_DIR
     if nodes > 1:  # machines sharing a file system each keep their own launch folder
@@ -273,7 +278,8 @@ def write_result(result: TrainResult) -> None:
 
 class TrainStage(WholeStage):
     """Training as a stage, one unit: its launcher owns the ranks (``launch``). ``on_line``: where rank 0's lines go
-    (the terminal, or a Prefect run's log)."""
+    (the terminal, or a Prefect run's log). Its result is None on a rank of a launch and on a machine other than
+    node 0: the launcher on node 0 reports."""
 
     name = "train"
 
@@ -281,12 +287,24 @@ class TrainStage(WholeStage):
         self.on_line = on_line
 
     def decide(self, config: TrainConfig) -> list[str]:
+        if this_process().launched:  # the launcher planned the run; each rank's setup takes the same decisions
+            return []
         if config.tracking == "mlflow":
             check_reachable(config.tracking_uri)  # a tracking server that is away: refused first, in seconds
         per_node, nodes = world_of(config)
         world = per_node * nodes
         lines = plan_training(config, world=world).lines()
         return lines + ([f"{world} ranks ({per_node} a node on {nodes} nodes), torchrun"] if world > 1 else [])
+
+    def writes(self, config: TrainConfig) -> list[Path]:
+        """The run folder, which node 0's launcher holds for every rank; another machine's launcher writes only its
+        own launch folder inside it."""
+        out = Path(config.out)
+        return [out] if config.node_rank == 0 else [out / LAUNCH_DIR / f"node{config.node_rank}"]
+
+    def claim(self, plan: Any) -> contextlib.AbstractContextManager[Any]:
+        """The lock of what it writes; a rank of a launch leaves it to its launcher, which holds it for the ranks."""
+        return contextlib.nullcontext() if this_process().launched else super().claim(plan)
 
     def work(self, config: TrainConfig) -> TrainResult | None:
         return launch(config, self.on_line)
