@@ -473,6 +473,33 @@ def test_fine_tuning_keeps_their_dictionaries_and_adds_the_new_words(tmp_path, r
     assert again.dictionaries.words == words and again.vocab == vocab and again.config == tuned.config
 
 
+@pytest.mark.slow
+def test_elmo_train_fine_tunes_a_release_on_a_users_corpus(tmp_path, release):
+    """``elmo train --init-from zhs.model`` as a user runs it on their corpus: it trains, and the model it exports
+    opens with their dictionaries grown by the corpus's new words, a softmax over the corpus's vocabulary."""
+    from elmo_core.runtime import Runtime
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"我们 喜欢 新词 {i} 。\n" for i in range(60)))
+    steps = [
+        ("ingest", str(corpus), "--out", str(tmp_path / "ingest"), "--heldout-fraction", "0.1"),
+        ("vocab", "--corpus", str(tmp_path / "ingest"), "--db", str(tmp_path / "vocab" / "vocab.duckdb")),
+        ("train", "--data", str(tmp_path / "vocab"), "--out", str(tmp_path / "run"), "--init-from", str(release),
+         "--max-steps", "2", "--batch-size", "2", "--unroll-steps", "5", "--n-negative-samples-batch", "8",
+         "--tracking", "none"),
+    ]  # fmt: skip
+    for args in steps:
+        done = run_elmo(*args)
+        assert done.returncode == 0, done.stderr[-2000:]
+    tuned = Runtime.open(str(tmp_path / "run" / "model")).bilm
+    published = Runtime.open(str(release)).bilm
+    vocab = (tmp_path / "vocab" / "vocab.txt").read_text(encoding="utf-8").split()
+    assert tuned.vocab == vocab and tuned.softmax.weight.shape[0] == len(vocab)
+    assert "新词" in tuned.dictionaries.words and "新词" not in published.dictionaries.words
+    kept = {k: tuned.dictionaries.words[k] for k in published.dictionaries.words}
+    assert kept == published.dictionaries.words
+
+
 @pytest.mark.parametrize("precision", [p for p in (*cpu_precisions(), "int8") if p != "fp32"])
 def test_other_precisions_run_as_for_any_model(release, expected, precision):
     """bf16 (where native) and int8 run a released folder as any model: close to their fp32 numbers."""

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elmo_core.bilm.initialization import init_bilm_tf, init_softmax
+from elmo_core.bilm.fine_tune import for_vocabulary
+from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.softmax import LogUniformSampler
 from elmo_core.data.batches import LMBatcher
@@ -108,12 +109,7 @@ def _build_model(config: TrainConfig, vocab: list[str], counts: np.ndarray) -> B
             model_dir,
             len(vocab),
         )
-        fresh = BiLM(bilm.config.model_copy(update={"n_tokens_vocab": len(vocab)}), vocab=vocab)
-        fresh.load_state_dict(
-            {k: v for k, v in bilm.state_dict().items() if not k.startswith("softmax.")}, strict=False
-        )
-        init_softmax(fresh, unigram)
-        bilm = fresh
+        bilm = for_vocabulary(bilm, vocab, unigram)  # an ELMoForManyLangs model keeps its dictionaries, grown
     bilm.vocab = vocab
     return bilm
 
