@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from elmo_core import cpu
-from elmo_core.fileio import FolderLock, beside, write_text_atomic
+from elmo_core.fileio import FolderLock, beside, remove_stale_temps, write_text_atomic
 from elmo_core.progress import track
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,12 @@ class WholePlan:
 @contextlib.contextmanager
 def claim_folders(folders: Sequence[Path], wait: bool = False) -> Iterator[None]:
     """Lock every folder a stage writes (``fileio.beside``: the lock lives next to the folder), in a fixed order, so
-    that a second job on any of them is refused in one line (or waits, with ``wait``) before anything changes."""
+    that a second job on any of them is refused in one line (or waits, with ``wait``) before anything changes; then
+    the temporary files of writers that died are removed from it."""
     with contextlib.ExitStack() as stack:
         for folder in sorted({Path(f).absolute() for f in folders}):
             stack.enter_context(FolderLock(beside(folder), folder, wait=wait))
+            remove_stale_temps(folder)  # left by a writer that died (killed, or stopped by a full disk)
         yield
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,3 +155,28 @@ def test_the_cli_and_the_prefect_flow_of_a_stage_write_the_same_table(tmp_path, 
         vectors, other = columns.pop("elmo"), by_flow[name].pop("elmo")
         assert columns == by_flow[name], name  # the same rows: tokens, sentences, positions, model
         np.testing.assert_allclose(np.array(vectors), np.array(other), atol=1e-6, rtol=0, err_msg=name)
+
+
+def test_a_claim_removes_what_a_dead_writer_left_and_keeps_a_live_ones(tmp_path):
+    """The next claim of a folder removes the temporary files of a writer that died (its pid is gone), before the
+    stage's work; a live writer's (this process's) stay."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = out / f".part-0.parquet.{dead.stdout.strip()}-0123abcd.tmp"
+    live = out / f".part-1.parquet.{os.getpid()}-4567cdef.tmp"
+    stale.write_text("half")
+    live.write_text("being written")
+    seen = []
+
+    class Looking(WholeStage):
+        name = "looking"
+
+        def work(self, options: SimpleNamespace) -> list[str]:
+            seen.extend(sorted(p.name for p in out.iterdir()))
+            return seen
+
+    run_local(Looking(), SimpleNamespace(out=str(out)))
+    assert seen == [live.name] and not stale.exists()

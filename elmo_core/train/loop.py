@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Callable
@@ -427,9 +426,7 @@ def finish(run: Run) -> TrainResult:
         exported_step, perplexity = _exported(run, perplexity)
         run.tracker.log_metrics({"exported_step": exported_step}, run.step)
         run.bilm.token_encoder = getattr(run.bilm.token_encoder, "_orig_mod", run.bilm.token_encoder)  # undo compile
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        run.bilm.save_pretrained(str(model_dir))
+        run.bilm.save_pretrained(str(model_dir))  # replaces the folder whole (written beside it, then renamed)
         exported = {**perplexity, "step": exported_step} if perplexity else {}
         write_text_atomic(run.out / "perplexity.json", json.dumps(exported, indent=2) + "\n")
         run.tracker.log_artifact(run.out / "config.json")
