@@ -20,10 +20,14 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
                int8, fused_gates + lstm_gates.c, trained_step, char_cnn + char_cnn.c, cells, choice)
     packing    where each token of a batch sits in packed, time-major LSTM data, and back to a layout
     model      char CNN → highway → projection → clipped LSTMs with residual → biLM → ScalarMix (one forward path)
+    manylangs  ELMoForManyLangs' released folders read (and converted once) as models; fine_tune: a model made
+               ready for a corpus's vocabulary (a fresh softmax; a ManyLangs model's dictionaries grown)
     softmax    TF's sampled softmax (log-uniform sampler) and the full softmax
+    runtime/   how a model runs in a process, decided once: reference (folders, published files, ManyLangs
+               releases, MLflow URIs through one download cache), placement (device, precision, threads), output
+               (layers, mix, mean), engine (``Runtime``: word cache, passes under a token budget), info
     checkpoint training checkpoints (one record per rank; the best weights) with their SHA-256, verified before use
-    tracking   the tracker interface (MLflow or nothing) and MLflow model URIs
-    train      the training loop: setup, train_step, save/restore, finish; evaluation; DDP
+    train      the training plan (device, precision, kernels, recipe, budget), the training loop: setup, train_step, save/restore, finish; evaluation; DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
     embed      embedding jobs → a Parquet dataset of token/sentence vectors, one job per folder
     probe      what each layer is worth: word-sense 1-NN and a linear tagging probe
@@ -37,7 +41,8 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
 Plumbing below all of them: ``errors`` (one-line user errors), ``cpu`` (what this CPU can do, and the
 ``ELMO_CPU_ISA=avx2`` override, applied here before torch is imported), ``fileio`` (atomic writes, digests),
 ``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device; fp32, bf16, or int8 for CPU
-inference), ``ranks`` (which process of a torchrun launch this is).
+inference), ``ranks`` (which process of a torchrun launch this is), ``tracking`` (MLflow behind a small
+interface: runs, metrics, model URIs).
 ``tests/test_layering.py`` keeps every import pointing down this list. Importing the package loads nothing but
 ``cpu``; ``BiLM`` and ``batch_to_ids`` load torch and the model on first use, never DuckDB, pyarrow, Prefect or
 MLflow.
