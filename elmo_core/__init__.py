@@ -27,7 +27,8 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
                releases, MLflow URIs through one download cache), placement (device, precision, threads), output
                (layers, mix, mean), engine (``Runtime``: word cache, passes under a token budget), info
     checkpoint training checkpoints (one record per rank; the best weights) with their SHA-256, verified before use
-    train      the training plan (device, precision, kernels, recipe, budget), the training loop: setup, train_step, save/restore, finish; evaluation; DDP
+    train      the training plan (device, precision, kernels, recipe, budget), the loop (setup, train_step,
+               save/restore, finish), evaluation, DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
     embed      embedding jobs → a Parquet dataset of token/sentence vectors, one job per folder
     probe      what each layer is worth: word-sense 1-NN and a linear tagging probe
