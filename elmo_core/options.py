@@ -26,8 +26,7 @@ from elmo_core.text.tokenize import TokenizerName
 log = logging.getLogger(__name__)
 
 Precision = Literal["auto", "fp32", "bf16"]  # training's
-# inference's, the same in every command (runtime/placement.py resolves them): auto is bf16 where native, else fp32;
-# int8: the LSTM step's products on int8 weights (CPU only; faster than fp32 where bf16 is emulated: precision.md)
+# inference's, the same in every command (runtime/placement.py resolves them; int8: CPU only, docs/precision.md)
 InferencePrecision = Literal["auto", "fp32", "bf16", "int8"]
 
 
@@ -186,6 +185,9 @@ class IngestConfig(IngestOptions):
         description="files, folders (recursive) or glob patterns; in a config, also {path, split} objects"
     )
     out: str = Field(description="output dataset folder (part-*.parquet + manifest.duckdb)")
+    afresh: bool = Field(
+        False, description="a dataset read with other options is made anew, not refused", **tags(RUNTIME)
+    )
 
 
 # ----- vocab -------------------------------------------------------------------------------------------
@@ -228,10 +230,8 @@ class TrainOptions(Options):
         description="stop training once this much time is spent, resumes included (30m, 2h, 90s); n_epochs (if "
         "given) or max_steps still stop it first",
     )
-    budget_clock: Literal["wall", "cpu"] = Field(
-        "wall",
-        description="what the budget counts: wall (the clock) or cpu (this process's CPU time, all threads: the "
-        "recipe table's clock with one thread); evaluations and checkpoints are off the clock",
+    budget_clock: Literal["wall", "cpu"] = Field(  # evaluations and checkpoints are off either clock
+        "wall", description="wall (the clock) or cpu (this process's CPU time: the recipe table's with one thread)"
     )
     n_train_tokens: int | None = Field(
         None, gt=0, description="fixes the steps per epoch; default: counted from the data"

@@ -111,7 +111,7 @@ def default_corpus(workdir: str) -> list[str]:
 @stage
 def ingest_stage(config: IngestConfig, out: str, fingerprint: str) -> dict[str, Any]:
     def work() -> dict[str, Any]:
-        summary = run_local(IngestStage(afresh_on_new_options=True), config)
+        summary = run_local(IngestStage(), config)
         refused = summary.refusal()
         if refused is not None:
             raise refused
@@ -308,7 +308,8 @@ def _stage_configs(
             "training with `elmo train --config SAME --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`"
         )
     vocab_dir = workdir / "vocab"
-    ingest = IngestConfig(sources=sources, out=str(workdir / "ingest"), **params.ingest.model_dump())
+    # the main job's dataset follows its options: one read with others is made anew (afresh), not refused
+    ingest = IngestConfig(sources=sources, out=str(workdir / "ingest"), afresh=True, **params.ingest.model_dump())
     vocab = VocabConfig(
         corpus=str(workdir / "ingest"),
         db=str(vocab_dir / "vocab.duckdb"),

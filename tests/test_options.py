@@ -18,7 +18,7 @@ from elmo_core.options import CPU_TRAIN_OPTIONS, EmbedOptions, IngestOptions, Tr
 from elmo_core.text.tokenize import TokenizerName
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_FIELDS = {"help", "config"}  # the two flags every command adds
+NOT_FIELDS = {"help", "config", "plan"}  # the flags every command adds (--plan: every stage's)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

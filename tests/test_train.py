@@ -516,13 +516,12 @@ def test_mlflow_run_has_params_metrics_artifacts_and_a_registered_model(fixture_
     assert {"export/options.json", "export/weights.hdf5", "export/vocab.txt"} <= exported
     version = max(client.search_model_versions("name = 'elmo-test'"), key=lambda v: int(v.version))
     mlflow.set_tracking_uri(uri)
-    from elmo_core.tracking import resolve_model_dir
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("ELMO_CACHE_DIR", str(tmp_path / "cache"))
+    from elmo_core.runtime import Runtime
 
     for model_uri in (f"models:/elmo-test/{version.version}", result.model_uri):
-        bilm = BiLM.from_pretrained(
-            str(resolve_model_dir(model_uri, tmp_path / model_uri.replace(":", "_").replace("/", "_")))
-        )
-        assert bilm.config.n_tokens_vocab == 32
+        assert Runtime.open(model_uri).bilm.config.n_tokens_vocab == 32
 
 
 @pytest.mark.slow

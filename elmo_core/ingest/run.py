@@ -110,11 +110,11 @@ class _Ingest:
     done_bytes: int = 0  # of the inputs before the current one
 
 
-def ingest(config: IngestConfig, afresh_on_new_options: bool = False) -> IngestSummary:
+def ingest(config: IngestConfig) -> IngestSummary:
     """Ingest every input of ``config``; files already in the manifest are skipped. Returns the counts.
 
-    A dataset read with other tokenizer or split options is refused, unless ``afresh_on_new_options`` (the main
-    job's dataset, which follows its options): then it is removed and made anew, and the log says so."""
+    A dataset read with other tokenizer or split options is refused, unless ``config.afresh`` (the main job's
+    dataset, which follows its options): then it is removed and made anew, and the log says so."""
     started = time.perf_counter()
     out = Path(config.out)
     if out.is_file():
@@ -123,7 +123,7 @@ def ingest(config: IngestConfig, afresh_on_new_options: bool = False) -> IngestS
     if config.split_field and config.split != "auto":
         raise ConfigError(f"--split {config.split} and --split-field {config.split_field}: give one of them")
     inputs = find_sources(config.sources, config.split, config.layout)
-    stored = dataset_options(out) if afresh_on_new_options else None
+    stored = dataset_options(out) if config.afresh else None
     if stored is not None and option_changes(stored, config):
         log.info(
             "%s: ingest options changed (%s); the dataset is made afresh",
@@ -216,13 +216,10 @@ def _token_count(shard: Path) -> int:
 
 
 class IngestStage(WholeStage):
-    """Ingest as a stage, one unit (deduplication against one manifest is sequential). ``afresh_on_new_options``:
-    the main job's dataset, made anew when its options change."""
+    """Ingest as a stage, one unit (deduplication against one manifest is sequential); ``afresh`` (an option, the
+    main job's) makes a dataset of other options anew."""
 
     name = "ingest"
-
-    def __init__(self, afresh_on_new_options: bool = False) -> None:
-        self.afresh_on_new_options = afresh_on_new_options
 
     def decide(self, config: IngestConfig) -> list[str]:
         inputs = find_sources(config.sources, config.split, config.layout)
@@ -237,11 +234,11 @@ class IngestStage(WholeStage):
             return [*lines, f"{config.out} is being written by another job: checked once it is this job's turn"]
         changes = option_changes(stored, config) if stored is not None else []
         if changes:
-            verb = "made afresh" if self.afresh_on_new_options else "refused (another dataset's options)"
+            verb = "made afresh" if config.afresh else "refused (another dataset's options)"
             lines.append(f"{config.out} was read with other options ({'; '.join(changes)}): {verb}")
         elif stored is not None:
             lines.append(f"{config.out} exists: files already in its manifest are skipped")
         return lines
 
     def work(self, config: IngestConfig) -> IngestSummary:
-        return ingest(config, self.afresh_on_new_options)
+        return ingest(config)

@@ -450,9 +450,8 @@ def stages(config: EmbedConfig, show_kernels: bool = False) -> list[tuple[Any, A
     """The stages an embedding job runs, in order, each with its options: text tokenized first where it has to be,
     the table, then (``index``) its nearest-neighbour index."""
     steps: list[tuple[Any, Any]] = []
-    if needs_tokenizing(config):
-        _model_and_options(config)  # another job's folder is refused before any text is tokenized
-        steps.append((TokenizeStage(), config))
+    if needs_tokenizing(config):  # another job's folder is refused in its plan, before any text is tokenized
+        steps.append((TokenizeStage(check=_model_and_options), config))
     steps.append((EmbedStage(show_kernels), config))
     if config.index:
         steps.append((IndexStage(), IndexConfig(table=config.out, wait=config.wait)))

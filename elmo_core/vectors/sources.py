@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,11 +77,15 @@ def _sources(config: EmbedConfig) -> str:
 
 
 def needs_tokenizing(config: EmbedConfig) -> bool:
-    """Text input whose tokenized copy is missing or was made from other files (reading only)."""
+    """Text input whose tokenized copy is missing or was made from other files (reading only). Input that cannot
+    be read counts as such: the tokenizing stage's plan then says why, in the runner's own way."""
     if _is_dataset(config):
         return False
     marker = work_dir(Path(config.out)) / "input" / SOURCES_FILE
-    return not (marker.exists() and marker.read_text() == _sources(config))
+    try:
+        return not (marker.exists() and marker.read_text() == _sources(config))
+    except (InputError, OSError):
+        return True
 
 
 def _no_shards_reason(dataset: Path) -> str:
@@ -120,9 +125,13 @@ def input_shards(config: EmbedConfig, work: Path) -> tuple[Path, list[Path]]:
 
 
 class TokenizeStage(WholeStage):
-    """Text input tokenized into the job's work folder, one unit, under the job's lock."""
+    """Text input tokenized into the job's work folder, one unit, under the job's lock. ``check``: what the job
+    refuses before any text is tokenized (another job's folder, a model that is not there), run in its plan."""
 
     name = "tokenize"
+
+    def __init__(self, check: Callable[[EmbedConfig], Any] | None = None) -> None:
+        self.check = check
 
     def identity(self, config: EmbedConfig) -> dict[str, Any]:
         return {"sources": json.loads(_sources(config))}
@@ -131,6 +140,8 @@ class TokenizeStage(WholeStage):
         return [work_dir(Path(config.out)) / "input"]
 
     def decide(self, config: EmbedConfig) -> list[str]:
+        if self.check is not None:
+            self.check(config)
         inputs = find_inputs([config.input])
         size = sum(p.stat().st_size for p in inputs)
         return [f"tokenize {len(inputs)} text files ({size:,} bytes) with the {config.tokenizer} tokenizer"]
