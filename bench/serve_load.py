@@ -117,6 +117,11 @@ def serve_target(name: str, base: str, output: str = "mean") -> Target:
     return Target(name, f"{base}/embed", lambda s: {"sentences": [s], "output": output, "encoding": "base64"})
 
 
+def layers_target(name: str, base: str, encoding: str) -> Target:
+    """Every layer of each token (what a tagger wants), in ``encoding``: float (JSON), base64 or binary."""
+    return Target(name, f"{base}/embed", lambda s: {"sentences": [s], "output": "layers", "encoding": encoding})
+
+
 def mlflow_target(base: str) -> Target:
     return Target(
         "mlflow models serve",
@@ -391,6 +396,9 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=3000, help="the pool of real sentences requests cycle over")
     parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic")
     parser.add_argument(
+        "--token-encodings", default="float,base64,binary", help="every layer per token at the top concurrency, as"
+    )
+    parser.add_argument(
         "--replicas",
         type=int,
         default=0,
@@ -458,6 +466,10 @@ def main() -> None:
                 run(target, clients, real, batch_job)
             top = max(levels)
             run(serve_target("elmo serve, token vectors", base, "mix"), top, real, batch_job)
+            for encoding in [
+                e for e in args.token_encodings.split(",") if e
+            ]:  # every layer, per token, as a tagger asks
+                run(layers_target(f"elmo serve, layers as {encoding}", base, encoding), top, real, batch_job)
             if "synthetic" not in skip:
                 run(target, top, synthetic, batch_job_synthetic, " (synthetic)")
             print(server_figures(base))
