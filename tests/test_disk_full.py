@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from elmo_core.errors import DiskFullError, disk_full
 from elmo_core.fileio import free_bytes, require_space
 from elmo_core.train.checkpoint import list_checkpoints, problem, write_checkpoint
 from elmo_core.vectors.ann.files import table_bytes
-from tests.helpers import run_elmo
+from tests.helpers import ROOT, run_elmo
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODEL = FIXTURES / "allennlp_elmo"  # the tiny AllenNLP test model: width 32, 3 layers
@@ -337,15 +338,29 @@ EMBED_KEYS = ("sentence_id", "token_index")
 
 @pytest.mark.slow
 def test_embed(tmp_path, dataset, table):
-    with tmpfs(tmp_path / "disk", 400) as disk:  # about a third of the table's 1.1 MB
+    """A table that does not fit is refused by the plan before any file appears; one that fits but meets a disk
+    another process fills while it runs ends in the one line, its finished units complete; a rerun with space
+    finishes the table as a run with space all along."""
+    with tmpfs(tmp_path / "disk", 4096) as disk:
         out = disk / "table"
         embed = ("embed", "--model", str(MODEL), "--input", str(dataset), "--out", str(out), "--unit-tokens", "1000")
-        line = assert_disk_full_line(run_elmo(*embed), "embed", out)
+        filler = fill(disk, 400_000)  # about a third of the table's 1.1 MB
+        assert_refused(run_elmo(*embed), "embed", out)
+        assert not out.exists() and leftovers(disk) == []
+        filler.unlink()
+        command = [sys.executable, "-m", "elmo_core.cli", *embed]
+        job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not list(out.glob("part-*.parquet")) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls for the job's first finished unit, then another process takes the space
+        fill(disk, 20_000)
+        stdout, stderr = job.communicate(timeout=300)
+        line = assert_disk_full_line(subprocess.CompletedProcess(command, job.returncode, stdout, stderr), "embed", out)
         parts = sorted(out.glob("part-*.parquet"))
         assert parts and f"its {len(parts)} finished part file" in line
         for part in parts:  # each finished unit complete: the reference's rows, not one fewer
             assert_same_table(part, table / part.name)
-        subprocess.run(["mount", "-o", "remount,size=4096k", str(disk)], check=True)  # space freed
+        (disk / "filler").unlink()  # space freed
         resumed = run_elmo(*embed)
         assert resumed.returncode == 0 and f"({len(parts)} already done)" in resumed.stdout, resumed.stderr[-3000:]
         assert leftovers(disk) == []
@@ -446,11 +461,18 @@ def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table):
     from elmo_core.options import EmbedConfig
     from tests.helpers import run_module
 
-    with tmpfs(tmp_path / "disk", 400) as disk:
+    with tmpfs(tmp_path / "disk", 4096) as disk:  # the table fits: another process fills the disk as it runs
         out = disk / "table"
         config = EmbedConfig(model=str(MODEL), input=str(dataset), out=str(out), unit_tokens=1000)
         env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}  # the flow's own temporary Prefect server
-        flow = run_module("flows.embed", config.model_dump_json(), env=env)
+        command = [sys.executable, "-m", "flows.embed", config.model_dump_json()]
+        job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while not list(out.glob("part-*.parquet")) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls for the flow's first finished unit
+        fill(disk, 20_000)
+        stdout, stderr = job.communicate(timeout=300)
+        flow = subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
         assert flow.returncode == 1 and "Traceback" not in flow.stderr, flow.stderr[-3000:]
         line = next(line for line in flow.stderr.splitlines() if line.startswith("embed: failed: "))
         assert line.startswith(
@@ -458,7 +480,7 @@ def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table):
         )
         parts = sorted(out.glob("part-*.parquet"))
         assert parts and f"its {len(parts)} finished part file" in line
-        subprocess.run(["mount", "-o", "remount,size=4096k", str(disk)], check=True)
+        (disk / "filler").unlink()  # space freed
         assert run_module("flows.embed", config.model_dump_json(), env=env).returncode == 0
         assert leftovers(disk) == []
         assert_same_table(out, table)

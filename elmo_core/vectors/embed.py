@@ -42,13 +42,15 @@ import pyarrow.parquet as pq
 import torch
 
 from elmo_core.bilm.inference import StateCarry
+from elmo_core.config import read_options
 from elmo_core.errors import InputError, OutputError
-from elmo_core.fileio import atomic_path, write_text_atomic
+from elmo_core.fileio import atomic_path, format_bytes, free_bytes, require_space, write_text_atomic
 from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
 from elmo_core.runtime import ModelRef, Output, Placement, Runtime, place, resolve_model
 from elmo_core.stage import run_local, show_plan
 from elmo_core.vectors.ann import IndexStage, IndexSummary
+from elmo_core.vectors.ann.files import table_bytes
 from elmo_core.vectors.sources import (
     TokenizeStage,
     Unit,
@@ -93,12 +95,23 @@ class Job:
     work: Path
     identity: dict[str, Any]  # what ``_job.json`` records: a rerun with the same identity resumes the job
 
+    def bytes_to_write(self) -> int:
+        """About the bytes of the units still to write (``ann.table_bytes``, its factors measured on real tables)."""
+        todo = [u for u in self.units if not (self.target / u.name).exists()]
+        lstm = read_options(self.model.options).lstm
+        rows = sum(u.stop - u.start if self.config.pool == "mean" else u.tokens for u in todo)
+        config = self.config
+        return table_bytes(
+            rows, lstm.n_layers + 1, 2 * lstm.projection_dim, config.dtype, config.layers, config.pool, len(todo)
+        )
+
     def lines(self) -> list[str]:
         done = sum((self.target / u.name).exists() for u in self.units)
+        space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.out))} free"
         return [
             self.model.line(),
             f"on {self.placement.line()}",
-            f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens",
+            f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens; {space}",
             f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
         ]
 
@@ -229,7 +242,11 @@ def plan_job(config: EmbedConfig) -> Job:
         "units": [u.name for u in units],
     }
     target = _target(out, work, identity, config.overwrite)
-    return Job(config, placement, model, identity["model_id"], units, target, out, work, identity)
+    job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity)
+    require_space(
+        out, job.bytes_to_write(), "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
+    )
+    return job
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
