@@ -51,9 +51,6 @@ from elmo_core.bilm.weights import (
     write_model_files,
 )
 from elmo_core.config import (
-    OPTIONS_NAME,
-    VOCAB_NAME,
-    WEIGHTS_NAME,
     CharCNNConfig,
     CharEmbeddingConfig,
     LstmConfig,
@@ -61,12 +58,10 @@ from elmo_core.config import (
     ModelConfig,
     read_options,
     resolve_model_files,
-    write_options,
 )
-from elmo_core.errors import ConfigError, WeightFileError, disk_full
-from elmo_core.fileio import atomic_folder, atomic_path, disk_full_error, require_space
+from elmo_core.errors import ConfigError, WeightFileError
 from elmo_core.text.manylangs_chars import RELEASE_CONFIG, Dictionaries, is_release, spelling
-from elmo_core.text.vocab_file import read_vocab_file, write_vocab_file
+from elmo_core.text.vocab_file import read_vocab_file
 
 __all__ = ["Dictionaries", "NETWORKS", "convert_release", "is_release", "read_model", "read_release", "spelling"]
 
@@ -401,22 +396,9 @@ def write_model(
     if dics is None:
         write_model_files(directory, config, state_dict, vocab)
         return
-    directory = Path(directory)
     image = _with_words(weights_image(config, state_dict), state_dict["token_encoder.word_embedding.weight"])
-    require_space(directory, len(image) + 64 * (len(dics.chars) + len(dics.words or ())) + (1 << 20), "the model")
-    try:
-        with atomic_folder(directory) as tmp:
-            write_options(config, tmp / OPTIONS_NAME)
-            with atomic_path(tmp / WEIGHTS_NAME) as weights:
-                weights.write_bytes(image)
-            dics.write(tmp)
-            if vocab is not None:
-                write_vocab_file(vocab, tmp / VOCAB_NAME)
-    except OSError as exc:
-        if not disk_full(exc):
-            raise
-        kept = f"{directory} is as it was" if directory.exists() else f"no half of {directory} was left"
-        raise disk_full_error(directory, kept, exc) from exc
+    more_bytes = 64 * (len(dics.chars) + len(dics.words or ())) + (1 << 20)
+    write_model_files(directory, config, state_dict, vocab, image=image, more=dics.write, more_bytes=more_bytes)
 
 
 def _with_words(image: bytes, words: torch.Tensor) -> bytes:

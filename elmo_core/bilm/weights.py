@@ -16,6 +16,7 @@ folder is written whole or not at all, and its size is checked against the free 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -220,20 +221,32 @@ def read_model_files(
 
 
 def write_model_files(
-    directory: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], vocab: list[str] | None = None
+    directory: str | Path,
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    vocab: list[str] | None = None,
+    *,
+    image: bytes | None = None,
+    more: Callable[[Path], None] | None = None,
+    more_bytes: int = 0,
 ) -> None:
     """options.json + weights.hdf5 (+ vocab.txt) that bilm-tf and AllenNLP load unchanged. The folder appears
     complete or not at all (``atomic_folder``: written beside it, then renamed into place; temporaries of an export
-    that died are removed), and one that would not fit is refused before the first byte (``require_space``)."""
+    that died are removed), and one that would not fit is refused before the first byte (``require_space``).
+    ``image``: the weight file's bytes where the caller made them; ``more(folder)`` writes further files of about
+    ``more_bytes`` (an ELMoForManyLangs model's dictionaries) into the folder before it appears."""
     directory = Path(directory)
-    image = weights_image(config, state_dict)
+    image = image if image is not None else weights_image(config, state_dict)
     words = "".join(f"{token}\n" for token in vocab).encode() if vocab is not None else b""
-    require_space(directory, len(image) + len(words) + 16 * 1024, "the model")  # + options.json, file system blocks
+    needed = len(image) + len(words) + more_bytes + 16 * 1024  # + options.json, file system blocks
+    require_space(directory, needed, "the model")
     try:
         with atomic_folder(directory) as tmp:
             write_options(config, tmp / OPTIONS_NAME)
             with atomic_path(tmp / WEIGHTS_NAME) as weights:
                 weights.write_bytes(image)
+            if more is not None:
+                more(tmp)
             if vocab is not None:
                 write_vocab_file(vocab, tmp / VOCAB_NAME)
     except OSError as exc:
