@@ -235,6 +235,7 @@ def test_layers_equal_their_own_embedder(tmp_path, legacy):
 # ----- every command ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_command_gives_their_numbers(tmp_path, release, expected):
     """``elmo embed`` (every layer, and the default mix: their ``output_layer=-1``, the plain mean), a server's model
     process, the probes, the AllenNLP drop-in (``ElmoEmbedder(folder, folder)``, ``Elmo(folder, None)`` on
@@ -330,6 +331,7 @@ def test_a_release_is_converted_once_and_then_resolved_without_torch(tmp_path):
     assert "converted in" in resolve()[0]
 
 
+@pytest.mark.slow
 def test_exported_it_is_a_model_folder_that_mlflow_registers(tmp_path, release, expected, monkeypatch):
     """``elmo export --run RELEASE`` converts it, char.dic and word.dic kept beside options.json (with its
     ``manylangs`` section) and weights.hdf5; the folder, registered in MLflow, opens as ``models:/NAME/1`` and as the

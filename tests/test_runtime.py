@@ -136,6 +136,7 @@ def test_a_mean_and_a_mix_are_the_same_from_the_table_and_the_runtime(tmp_path, 
     np.testing.assert_allclose(asked, by_hand, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_info_and_a_model_run_print_the_same_resolved_line(tmp_path, allennlp_dir):
     """``elmo info MODEL`` prints what the runtime resolved; ``elmo embed`` logs that very line, ``auto`` precision
     included (the same values and meaning as ``elmo serve``)."""

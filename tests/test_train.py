@@ -681,6 +681,7 @@ def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spe
         assert train(cpu).steps < 20_000 and 1.0 <= stopped_at() <= 1.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
 def test_a_budget_timed_from_outside_stops_within_5_percent_on_its_clock(fixture_data, tmp_path, clock):
     """``elmo train --budget 6s`` as a user runs it, timed by this process: the trainer's CPU time (every thread's,
