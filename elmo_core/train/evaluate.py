@@ -4,6 +4,7 @@ splits, and ``elmo perplexity``."""
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from pathlib import Path
@@ -147,13 +148,21 @@ def num_tokens(path: Path) -> int:
 
 
 def train_token_counts(data: Path, n_vocab: int) -> tuple[np.ndarray, int]:
-    """Counts of every vocab id as a forward target in the train split (</S> once per sentence), and tokens."""
+    """Counts of every vocab id as a forward target in the train split (</S> once per sentence), and tokens. Read
+    once per process and version of the files: a training's plan, its setup and its evaluation all ask."""
+    parts = sorted((Path(data) / "token_ids" / "train").glob("part-*.parquet"))
+    counts, tokens = _counted(tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in parts), n_vocab)
+    return counts.copy(), tokens
+
+
+@functools.lru_cache(maxsize=4)
+def _counted(parts: tuple[tuple[str, int, int], ...], n_vocab: int) -> tuple[np.ndarray, int]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     counts = np.zeros(n_vocab, dtype=np.float64)
     tokens = 0
-    for path in sorted((data / "token_ids" / "train").glob("part-*.parquet")):
+    for path, _, _ in parts:
         ids = pq.read_table(path, columns=["ids"]).column("ids").combine_chunks()
         flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
         counts += np.bincount(flat, minlength=n_vocab)[:n_vocab]
