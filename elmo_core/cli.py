@@ -229,8 +229,7 @@ def cmd_export(config: ExportConfig) -> None:
     from elmo_core.stage import run_local
     from elmo_core.train.export import ExportStage
 
-    step, checkpoint = run_local(ExportStage(), config)
-    print(f"export: step {step} of {checkpoint} -> {config.out} (options.json, weights.hdf5 with softmax, vocab.txt)")
+    print(run_local(ExportStage(), config).line())
 
 
 def cmd_embed(config: EmbedConfig) -> None:

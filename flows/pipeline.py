@@ -177,9 +177,9 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
 @stage
 def export_stage(run_dir: str, out: str, fingerprint: str) -> str:
     def work() -> dict[str, Any]:
-        step, checkpoint = run_local(ExportStage(), ExportConfig(run=run_dir, out=out))
-        get_run_logger().info("exported step %d of %s to %s", step, checkpoint, out)
-        return {"model_dir": out, "step": step, "checkpoint": str(checkpoint)}
+        exported = run_local(ExportStage(), ExportConfig(run=run_dir, out=out))
+        get_run_logger().info(exported.line())
+        return {"model_dir": out, "step": exported.step, "checkpoint": str(exported.source)}
 
     return run_once(Path(out), fingerprint, work)["model_dir"]
 

@@ -500,6 +500,15 @@ def test_elmo_train_fine_tunes_a_release_on_a_users_corpus(tmp_path, release):
     assert "新词" in tuned.dictionaries.words and "新词" not in published.dictionaries.words
     kept = {k: tuned.dictionaries.words[k] for k in published.dictionaries.words}
     assert kept == published.dictionaries.words
+    # `elmo export` of the run's checkpoint builds the same model, dictionaries and all, and says what it wrote
+    done = run_elmo("export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(char.dic, options.json, vocab.txt, weights.hdf5, word.dic)" in done.stdout
+    again = Runtime.open(str(tmp_path / "exported"))
+    assert again.bilm.dictionaries == tuned.dictionaries and again.bilm.config == tuned.config
+    sentences = [["我们", "喜欢", "新词", "。"], ["没见过", "的", "字"]]
+    for got, want in zip(again.embed(sentences), Runtime.open(str(tmp_path / "run" / "model")).embed(sentences)):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("precision", [p for p in (*cpu_precisions(), "int8") if p != "fp32"])

@@ -335,8 +335,8 @@ def test_export_best_exports_the_lowest_heldout_perplexity_and_survives_a_resume
     reevaluated = evaluate(BiLM.from_pretrained(str(result.model_dir)), heldout, batch_size=rows, unroll_steps=unroll)
     assert reevaluated["perplexity"] == pytest.approx(result.perplexity["perplexity"], rel=1e-6)
     # `elmo export` / the pipeline's export stage of the run folder take the same weights
-    step, used = export_checkpoint(tmp_path / "run", tmp_path / "exported")
-    assert step == best and used.name == f"best-{best:09d}.pt"
+    exported = export_checkpoint(tmp_path / "run", tmp_path / "exported")
+    assert exported.step == best and exported.source.name == f"best-{best:09d}.pt"
     for name, weight in _weights(tmp_path / "exported").items():
         assert torch.equal(weight, _weights(result.model_dir)[name]), name
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class Dictionaries:
     chars: dict[str, int]
     words: dict[str, int] | None
     max_chars: int
-    source: str = "dictionaries"
+    source: str = field(default="dictionaries", compare=False)  # where they were read: for messages
     _rows: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -226,6 +226,17 @@ class Dictionaries:
                 known[cut], next_word = next_word, next_word + 1
         grown = Dictionaries(chars, known, self.max_chars, self.source)
         return grown, next_word - self.n_words, next_char - self.n_chars
+
+    def state(self) -> dict[str, Any]:
+        """What a training checkpoint keeps of them, so that its export needs no release folder: plain dicts that
+        ``torch.load(weights_only=True)`` reads back (``from_state``)."""
+        words = None if self.words is None else dict(self.words)
+        return {"chars": dict(self.chars), "words": words, "max_chars": self.max_chars}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], source: str) -> Dictionaries:
+        words = state["words"]
+        return cls(dict(state["chars"]), None if words is None else dict(words), int(state["max_chars"]), source)
 
     @property
     def n_chars(self) -> int:

@@ -65,6 +65,10 @@ class Checkpoint:
     optimizer: dict[str, Any]
     ranks: list[RankState]
     spent_seconds: float = 0.0  # of the run's time budget, on its clock (``budget.py``); 0 in older checkpoints
+    # the biLM as built (``ModelConfig`` JSON) and a ManyLangs model's dictionaries (``Dictionaries.state``): what
+    # export builds, since a fine-tuned release's token layer is not the TrainConfig's; "" / None in older files
+    architecture: str = ""
+    dictionaries: dict[str, Any] | None = None
 
     def payload(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"ranks": [asdict(r) for r in self.ranks]}

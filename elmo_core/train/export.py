@@ -8,14 +8,19 @@ left there is removed by the next."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+from torch import Tensor
 
 from elmo_core.bilm.manylangs import convert_release, is_release
 from elmo_core.bilm.model import BiLM
+from elmo_core.config import ModelConfig
 from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, read_vocab_file
 from elmo_core.errors import CheckpointError
 from elmo_core.options import ExportConfig, TrainConfig, validate
 from elmo_core.stage import WholeStage
+from elmo_core.text.manylangs_chars import Dictionaries
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
@@ -32,16 +37,33 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[int, Path]:
-    """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
-    run itself exports) ─► a bilm-tf/AllenNLP model directory.
+@dataclass(frozen=True)
+class Exported:
+    """What an export wrote: the step and file its weights came from (a release: step 0, the folder) and the
+    model folder, whose files its line names as they are on disk."""
 
-    Returns (step, the file used). A released ELMoForManyLangs folder is converted instead (step 0): a model
-    directory that keeps its char.dic and word.dic (``bilm.manylangs.convert_release``), ready for MLflow."""
+    step: int
+    source: Path
+    out: Path
+    release: bool = False
+
+    def line(self) -> str:
+        files = ", ".join(sorted(p.name for p in self.out.iterdir()))
+        what = f"the ELMoForManyLangs release {self.source}" if self.release else f"step {self.step} of {self.source}"
+        return f"export: {what} -> {self.out} ({files})"
+
+
+def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> Exported:
+    """A checkpoint (or a run folder: its newest valid checkpoint, or with ``export: best`` its best weights, as the
+    run itself exports) ─► a bilm-tf/AllenNLP model directory; a fine-tuned ELMoForManyLangs model's keeps its
+    dictionaries, as the checkpoint holds them.
+
+    A released ELMoForManyLangs folder is converted instead (step 0): a model directory that keeps its char.dic and
+    word.dic (``bilm.manylangs.convert_release``), ready for MLflow."""
     source = Path(checkpoint_or_run)
     if is_release(source):
         convert_release(source, out)
-        return 0, source
+        return Exported(0, source, Path(out), release=True)
     if source.is_dir():
         found = load_newest_valid(source)
         if found is None:
@@ -56,10 +78,30 @@ def export_checkpoint(checkpoint_or_run: str | Path, out: str | Path) -> tuple[i
     if best is not None:
         path, step, weights = best[0], best[1]["step"], best[1]["model"]
     vocab = read_vocab_file(Path(config.data) / VOCAB_NAME_IN_DATA)
-    bilm = BiLM(config.architecture(weights["softmax.weight"].shape[0]), vocab=vocab)
-    bilm.load_state_dict(weights)
+    bilm = _built_as_trained(checkpoint, config, weights, vocab, path)
     bilm.save_pretrained(str(out))
-    return step, path
+    return Exported(step, path, Path(out))
+
+
+def _built_as_trained(
+    checkpoint: Checkpoint, config: TrainConfig, weights: dict[str, Tensor], vocab: list[str], path: Path
+) -> BiLM:
+    """The biLM as the run built it (the checkpoint's architecture and dictionaries; a checkpoint written before
+    they were kept: the TrainConfig's architecture), holding ``weights``."""
+    if checkpoint.architecture:
+        architecture = ModelConfig.model_validate_json(checkpoint.architecture)
+    else:
+        architecture = config.architecture(weights["softmax.weight"].shape[0])
+    dics = Dictionaries.from_state(checkpoint.dictionaries, str(path)) if checkpoint.dictionaries else None
+    bilm = BiLM(architecture, vocab=vocab, dics=dics)
+    try:
+        bilm.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{path}: its weights do not fit the model it describes ({str(exc).splitlines()[0][:160]}); "
+            "export the run's own model folder instead"
+        ) from None
+    return bilm
 
 
 class ExportStage(WholeStage):
@@ -78,5 +120,5 @@ class ExportStage(WholeStage):
         best = " (or its best weights, where it trained with export: best)" if source.is_dir() else ""
         return [f"export {newest}{best} -> {config.out}"]
 
-    def work(self, config: ExportConfig) -> tuple[int, Path]:
+    def work(self, config: ExportConfig) -> Exported:
         return export_checkpoint(config.checkpoint or config.run, config.out)  # type: ignore[arg-type]

@@ -121,6 +121,8 @@ def save(run: Run) -> Path | None:
         optimizer=run.optimizer.state_dict(),
         ranks=ranks,
         spent_seconds=run.budget.spent(),
+        architecture=run.bilm.config.model_dump_json(),
+        dictionaries=run.bilm.dictionaries.state() if run.bilm.dictionaries is not None else None,
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
