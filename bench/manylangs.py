@@ -16,7 +16,10 @@ Timed, in this order: their ``Embedder(folder, batch_size=64).sents2elmo`` (mode
 table's ``_manifest.json``: the embedding, model loading not counted either; the whole command's tokens/s, as it
 prints it, beside; the release's one-time conversion into the model cache, and the build of the C kernels on first
 use, are done before any clock). Printed: the
-CPU, the threads, tokens/s of the three, ours against theirs and against the bilm-tf model; and a JSON line. Use a
+CPU, the threads, tokens/s of the three, ours against theirs and against the bilm-tf model; then what 10x their
+tokens/s would ask of the machine: the LSTMs' products per token (the arithmetic no exact implementation skips,
+``lstm_floor_flops``) at that rate, against a square matmul's GFLOP/s in the same precision measured in the same
+run (``matmul_peak``); and a JSON line. Use a
 corpus long enough (the default 512 sentences, ~12,800 tokens) on a machine nothing else runs on.
 ``--tiny``: a small shape (seconds), to check the bench itself runs.
 """
@@ -100,6 +103,32 @@ def our_tokens_per_s(model: Path, text: Path, out: Path, precision: str, env: di
     return sum(u["tokens"] for u in units) / sum(u["seconds"] for u in units), float(found.group(1).replace(",", ""))
 
 
+def matmul_peak(precision: str, size: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of one square ``torch.matmul`` in ``precision``'s dtype (fp32, or bf16 for bf16 and int8's float
+    parts) on this CPU, the best of ``repeats``: a ceiling for any implementation's products."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / min(times) / 1e9
+
+
+def lstm_floor_flops(network: dict, sentences: list[list[str]]) -> float:
+    """FLOPs of the LSTMs' products that no exact implementation skips, per token: at every step of every sentence
+    (its ``<bos>``/``<eos>`` included), in both directions, each layer's recurrent and projection products and the
+    input product of layers above the first. Layer 0's input product and the char CNN are left out, since they
+    depend on the word alone and can be computed once per distinct word (as we do)."""
+    enc = network["encoder"]
+    p, h, n_layers = enc["projection_dim"], enc["dim"], enc["n_layers"]
+    per_step = n_layers * (p * 4 * h + h * p) + (n_layers - 1) * p * 4 * h
+    steps = sum(len(s) + 2 for s in sentences)
+    return 2 * 2 * per_step * steps / sum(map(len, sentences))
+
+
 def bilm_tf_twin(network: dict) -> ModelConfig:
     """The bilm-tf model of the release's biLM: the same char CNN (its 50-wide characters) and LSTMs."""
     emb, enc = network["token_embedder"], network["encoder"]
@@ -149,6 +178,9 @@ def main() -> None:
         theirs = their_tokens_per_s(release, sentences)
         ours, ours_command = our_tokens_per_s(release, text, tmp / "table-release", args.precision, env)
         bilm_tf, bilm_tf_command = our_tokens_per_s(twin, text, tmp / "table-bilm-tf", args.precision, env)
+    peak = matmul_peak(args.precision)
+    floor = lstm_floor_flops(network, sentences)
+    needed = 10 * theirs * floor / 1e9  # GFLOP/s of the LSTMs' products alone at 10x their tokens/s
 
     result = {
         "cpu": cpu.describe(),
@@ -165,12 +197,22 @@ def main() -> None:
         "bilm_tf_command_tokens_per_s": bilm_tf_command,
         "ours_over_theirs": round(ours / theirs, 2),
         "ours_over_bilm_tf": round(ours / bilm_tf, 3),
+        "matmul_peak_gflops": round(peak, 1),
+        "lstm_floor_mflop_per_token": round(floor / 1e6, 1),
+        "ours_lstm_gflops": round(ours * floor / 1e9, 1),
+        "ten_x_theirs_needs_gflops": round(needed, 1),
     }
     print(result["cpu"])
     print(
         f"{result['tokens']:,} tokens, {threads} threads, {args.precision}: their Embedder {theirs:,.0f} tokens/s; "
         f"elmo embed on the release {ours:,.0f} ({ours / theirs:.1f}x theirs); on a bilm-tf model of the same size "
         f"{bilm_tf:,.0f} (ours {ours / bilm_tf:.2f}x it)"
+    )
+    print(
+        f"the LSTMs' products, which no exact implementation skips: {floor / 1e6:,.1f} MFLOP a token; ours runs them "
+        f"at {ours * floor / 1e9:,.1f} GFLOP/s, and 10x their Embedder ({10 * theirs:,.0f} tokens/s) would need "
+        f"{needed:,.1f} GFLOP/s for them alone: {needed / peak:.2f}x the {args.precision} matmul peak measured "
+        f"just now ({peak:,.1f} GFLOP/s, one square torch.matmul of 2,048)"
     )
     print(json.dumps(result))
     if args.out:
