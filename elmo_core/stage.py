@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,7 +58,8 @@ class Unit(Protocol):
 
 class Plan(Protocol):
     """What a stage's plan offers every runner: its units, and what it decided as lines (``--plan`` prints them,
-    a run logs them before it acts)."""
+    a run logs them before it acts). A plan may also say which processes its units need (``processes``: one
+    environment each, such as one GPU each for embedding); ``run_local`` then runs the units in those."""
 
     @property
     def units(self) -> Sequence[Unit]: ...
@@ -183,14 +185,15 @@ def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: Options
             log.info("%s plan: %s", stage.name, line)
         units = list(plan.units)
         results: dict[str, ResultT] = {}
+        processes = _processes(plan, workers)
         with _bar(stage, units) as progress:
-            if workers <= 1 or len(units) <= 1:
+            if len(processes) <= 1 or len(units) <= 1:
                 for unit in units:
                     tally = _Tally(progress)
                     results[unit.name] = stage.run_unit(plan, unit, tally.report)
                     tally.done(unit, f"{len(results)}/{len(units)} units")
             else:
-                for unit, result in _in_processes(stage, plan, units, workers):
+                for unit, result in _in_processes(stage, plan, units, processes):
                     results[unit.name] = result
                     _Tally(progress).done(unit, unit.name)
         return stage.finish(plan, [results[u.name] for u in units], time.perf_counter() - started)
@@ -217,10 +220,35 @@ class _Tally:
             self.progress.advance(max(0, unit.size - self.reported), info)
 
 
-def _in_processes(stage: Stage, plan: Plan, units: list[Unit], workers: int) -> Iterator[tuple[Unit, Any]]:
-    """(unit, result) as each finishes in one of ``workers`` spawned processes."""
+def _processes(plan: Plan, workers: int) -> list[dict[str, str]]:
+    """The processes a local run spreads the units over, as what each one's environment adds: the plan's own
+    (``plan.processes``, one GPU each) where it names several, else ``workers`` alike; [] for this process alone."""
+    own = list(getattr(plan, "processes", None) or [])
+    if len(own) > 1:
+        return own
+    return [{} for _ in range(workers)] if workers > 1 else []
+
+
+def _take_environment(environments: Any) -> None:
+    """A spawned worker's first act: take one of the environments left (one GPU: before CUDA starts in it)."""
+    os.environ.update(environments.get(timeout=60))
+
+
+def _in_processes(
+    stage: Stage, plan: Plan, units: list[Unit], processes: list[dict[str, str]]
+) -> Iterator[tuple[Unit, Any]]:
+    """(unit, result) as each finishes in one of ``len(processes)`` spawned processes, each with its share of the
+    cores and one of ``processes``' environments."""
     spawn = multiprocessing.get_context("spawn")
-    with cpu.environment(cpu.worker_env(workers)), ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+    environments = spawn.Queue()
+    for environment in processes:
+        environments.put(environment)
+    with (
+        cpu.environment(cpu.worker_env(len(processes))),
+        ProcessPoolExecutor(
+            len(processes), mp_context=spawn, initializer=_take_environment, initargs=(environments,)
+        ) as pool,
+    ):
         futures = {pool.submit(_run_in_worker, stage, plan, unit): unit for unit in units}
         for future in as_completed(futures):
             yield futures[future], future.result()

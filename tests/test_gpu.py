@@ -207,7 +207,7 @@ def test_the_runtime_on_cuda_says_its_kernels_and_a_budget_from_the_gpu_s_memory
     assert "the clipped LSTM a layer at a time" in runtime.line() and "replayed as CUDA graphs" in runtime.line()
 
 
-def _embed_table(tmp_path, allennlp_dir, device: str):
+def _embed_table(tmp_path, allennlp_dir, device: str, *more: str):
     import pyarrow.dataset as ds
 
     from tests.helpers import run_elmo
@@ -217,7 +217,7 @@ def _embed_table(tmp_path, allennlp_dir, device: str):
     text.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / f"emb-{device}"
     command = ["embed", "--model", str(allennlp_dir), "--input", str(text), "--out", str(out), "--layers", "all"]
-    result = run_elmo(*command, "--device", device, env=NO_TF32)
+    result = run_elmo(*command, "--device", device, *more, env=NO_TF32)
     assert result.returncode == 0, result.stderr[-2000:]
     table = ds.dataset(str(out), format="parquet").to_table().to_pandas()
     return table.sort_values(["doc_id", "sentence_id", "token_index"]).reset_index(drop=True), result.stderr
@@ -230,6 +230,22 @@ def test_an_embedding_job_on_cuda_writes_the_cpu_s_table(tmp_path, allennlp_dir)
     assert list(on_gpu["token"]) == list(on_cpu["token"])
     for column in [c for c in on_cpu.columns if c.startswith("layer_")]:
         np.testing.assert_allclose(np.stack(on_gpu[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)
+
+
+def test_an_embedding_job_takes_every_gpu_one_process_each(tmp_path, allennlp_dir):
+    """Several GPUs: one process per GPU over the units (``gpu_processes``), the same table as the CPU's."""
+    import json
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    on_cpu, _ = _embed_table(tmp_path, allennlp_dir, "cpu")
+    on_gpus, log = _embed_table(tmp_path, allennlp_dir, "cuda", "--unit-tokens", "100")
+    assert "one process per GPU (0, 1" in log
+    units = json.loads((tmp_path / "emb-cuda" / "_manifest.json").read_text())["units"]
+    assert len({u["pid"] for u in units}) >= 2
+    assert list(on_gpus["token"]) == list(on_cpu["token"])
+    for column in [c for c in on_cpu.columns if c.startswith("layer_")]:
+        np.testing.assert_allclose(np.stack(on_gpus[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)
 
 
 def test_a_server_on_cuda_answers_what_the_runtime_gives(no_tf32, tmp_path, allennlp_dir):

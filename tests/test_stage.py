@@ -80,6 +80,48 @@ def test_run_local_with_workers_gives_the_same_results_from_other_processes(tmp_
     assert [(tmp_path / "out" / f"part-{i}").read_text() for i in range(5)] == [str(10 + i) for i in range(5)]
 
 
+@dataclass
+class SlotPieces(Pieces):
+    processes: list[dict[str, str]]
+
+
+class SlotsStage(FilesStage):
+    """Units that need the process they run in to show one GPU each (``plan.processes``): each says the slot its
+    process was given, and waits (for the other process's first file, at most 60 s) so that both processes work."""
+
+    def plan(self, folder: Path) -> SlotPieces:
+        slots = [{"ELMO_TEST_SLOT": "gpu-a"}, {"ELMO_TEST_SLOT": "gpu-b"}]
+        return SlotPieces(folder, [Piece(f"part-{i}", 1) for i in range(6)], slots)
+
+    def run_unit(self, plan: Pieces, unit: Piece, report=None) -> dict:
+        import time
+
+        (plan.folder / f"{unit.name}.{os.getpid()}").write_text(os.environ.get("ELMO_TEST_SLOT", "none"))
+        deadline = time.monotonic() + 60
+        while len({p.suffix for p in plan.folder.iterdir()}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"name": unit.name, "pid": os.getpid(), "slot": os.environ.get("ELMO_TEST_SLOT")}
+
+
+def test_a_plan_that_names_its_processes_runs_its_units_in_one_process_each(tmp_path):
+    """What one GPU per process rests on: two processes, each with one of the plan's environments for all the
+    units it runs (the GPUs themselves are in tests/test_gpu.py)."""
+    results = run_local(SlotsStage(), tmp_path / "out")
+    slot_of = {}
+    for r in results:
+        assert slot_of.setdefault(r["pid"], r["slot"]) == r["slot"]  # a process keeps the slot it took
+    assert sorted(slot_of.values()) == ["gpu-a", "gpu-b"] and os.getpid() not in slot_of
+
+
+def test_one_gpu_each_follows_what_the_machine_shows():
+    from elmo_core.runtime.placement import gpu_processes, one_gpu_each
+
+    assert one_gpu_each(4, None) == [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(4)]
+    assert one_gpu_each(2, "3, 5") == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert one_gpu_each(1, None) == [] and one_gpu_each(0, "") == []
+    assert gpu_processes("cuda:1") == [] and gpu_processes("cpu") == []  # a GPU named, or none: this process
+
+
 def test_a_whole_stage_is_one_unit_whose_work_is_the_result(tmp_path):
     class Doubling(WholeStage):
         name = "double"

@@ -3,7 +3,8 @@ the threads, the kernels, the batching under a token budget, the word cache and 
 
     reference   a model reference (folder, published files, models:/NAME/N|latest, models:/NAME@ALIAS, runs:/)
                 ─► its files on this machine; registered models through one download cache per machine
-    placement   the device and the precision with its reason (``place``), this process's threads (``take_threads``)
+    placement   the device and the precision with its reason (``place``), this process's threads (``take_threads``),
+                one process per GPU for a job of many units (``gpu_processes``)
     output      what a caller wants of the layers: every layer or a scalar mix, per token or their mean, a dtype
     engine      ``Runtime``: a model opened once, its word cache, forward passes packed under a token budget
     info        what this machine runs and what a model is (``elmo info``)
@@ -22,6 +23,7 @@ _EXPORTS = {
     "Output": "output",
     "Placement": "placement",
     "place": "placement",
+    "gpu_processes": "placement",
     "take_threads": "placement",
     "ModelRef": "reference",
     "resolve_model": "reference",

@@ -10,6 +10,7 @@ CPU rank of a launched training) takes its share of the cores from the environme
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,3 +54,21 @@ def take_threads(asked: int | None = None) -> tuple[int, str]:
     if share:
         return torch.get_num_threads(), f"this process's share of {cpu.usable_cores()} cores"
     return torch.get_num_threads(), f"torch's default on {cpu.usable_cores()} usable cores"
+
+
+def gpu_processes(device: str) -> list[dict[str, str]]:
+    """One process per GPU for a job of many units placed on ``device``: where it is ``cuda`` (no index) and this
+    machine shows more than one GPU, the environment of each process shows it one (``CUDA_VISIBLE_DEVICES``), on
+    which it is ``cuda``, as a training's ranks each take one. [] otherwise: the job runs in this process, and
+    ``cuda:N`` keeps it on GPU N."""
+    if device != "cuda":
+        return []
+    return one_gpu_each(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def one_gpu_each(count: int, visible: str | None) -> list[dict[str, str]]:
+    """``count`` GPUs shown as ``visible`` (``CUDA_VISIBLE_DEVICES``, or None for all) ─► one environment per GPU,
+    each naming its GPU as the parent's environment does; [] for fewer than two."""
+    names = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else []
+    names = (names or [str(i) for i in range(count)])[:count]
+    return [{"CUDA_VISIBLE_DEVICES": name} for name in names] if len(names) > 1 else []

@@ -47,7 +47,7 @@ from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import atomic_path, format_bytes, free_bytes, require_space, write_text_atomic
 from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
-from elmo_core.runtime import ModelRef, Output, Placement, Runtime, place, resolve_model
+from elmo_core.runtime import ModelRef, Output, Placement, Runtime, gpu_processes, place, resolve_model
 from elmo_core.stage import run_local, show_plan
 from elmo_core.vectors.ann import IndexStage, IndexSummary
 from elmo_core.vectors.ann.files import table_bytes
@@ -94,6 +94,7 @@ class Job:
     out: Path
     work: Path
     identity: dict[str, Any]  # what ``_job.json`` records: a rerun with the same identity resumes the job
+    processes: list[dict[str, str]] = field(default_factory=list)  # one per GPU (``gpu_processes``), or none
 
     def bytes_to_write(self) -> int:
         """About the bytes of the units still to write (``ann.table_bytes``, its factors measured on real tables)."""
@@ -110,10 +111,16 @@ class Job:
         space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.out))} free"
         return [
             self.model.line(),
-            f"on {self.placement.line()}",
+            f"on {self.placement.line()}" + self._spread(),
             f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens; {space}",
             f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
         ]
+
+    def _spread(self) -> str:
+        if not self.processes:
+            return ""
+        gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in self.processes)
+        return f"; one process per GPU ({gpus}), each taking units as it finishes one"
 
     @property
     def replaces(self) -> bool:
@@ -242,7 +249,8 @@ def plan_job(config: EmbedConfig) -> Job:
         "units": [u.name for u in units],
     }
     target = _target(out, work, identity, config.overwrite)
-    job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity)
+    processes = gpu_processes(placement.device) if len(units) > 1 else []
+    job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes)
     require_space(
         out, job.bytes_to_write(), "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
     )
