@@ -282,3 +282,61 @@ def test_the_readme_apple_query_runs_on_an_embedding_of_the_probes(tmp_path, all
     rows = con.execute(statements[-1]).fetchall()
     assert len(rows) == 6 and rows[0][0] == "apples" and rows[0][2] == pytest.approx(1.0, abs=1e-5)
     assert all(rows[i][2] >= rows[i + 1][2] for i in range(5))
+
+
+def test_tables_written_beside_the_model_are_the_same_files(tmp_path, allennlp_dir):
+    """On a GPU each pass's table is written by a thread beside the model (``Job.writes_beside``): the same file,
+    byte for byte, as one written in the model's thread, over many passes."""
+    import dataclasses
+
+    from elmo_core.vectors.embed import Embedder, plan_job
+
+    words = "the apple of my eye is a red fruit on a tall tree".split()
+    lines = [" ".join(words[i % 7 : i % 7 + 2 + i % 6]) for i in range(60)]
+    config = EmbedConfig(
+        model=str(allennlp_dir), input=str(ingested(tmp_path, lines, "many.txt")), out=str(tmp_path / "out"),
+        layers="all", max_batch_tokens=40,
+    )  # fmt: skip
+    job = plan_job(config)
+    assert not job.writes_beside  # on the CPU the cores are the model's
+    written = {}
+    for beside in (False, True):
+        folder = tmp_path / f"beside-{beside}"
+        folder.mkdir()
+        embedder = Embedder(dataclasses.replace(job, writes_beside=beside))
+        for unit in job.units:
+            embedder.embed_unit(unit, folder)
+        written[beside] = {p.name: p.read_bytes() for p in folder.glob("part-*.parquet")}
+    assert written[True] == written[False] and written[False]
+    assert pq.ParquetFile(next(iter((tmp_path / "beside-True").glob("part-*")))).metadata.num_row_groups > 5
+
+
+def test_a_write_beside_the_model_keeps_the_order_and_its_failure_fails_the_unit():
+    import threading
+
+    from elmo_core.vectors.embed import _writes
+
+    class Disk:  # what a ParquetWriter offers _writes: tables in order, until the disk fails
+        def __init__(self, fails: int = -1) -> None:
+            self.tables: list[int] = []
+            self.fails, self.second_began = fails, threading.Event()
+
+        def write_table(self, table: int) -> None:
+            if table == 1:
+                self.second_began.set()
+            if table == 0:  # a slow first write: a second writer thread would overtake it
+                self.second_began.wait(timeout=0.3)
+            if table == self.fails:
+                raise OSError(28, "No space left on device")
+            self.tables.append(table)
+
+    disk = Disk()
+    with _writes(disk, beside=True) as write:
+        for table in range(5):
+            write(table)
+    assert disk.tables == [0, 1, 2, 3, 4]  # in order, all of them by the end
+    for last in (3, 7):  # failing while more tables are handed over, and failing on the last one
+        with pytest.raises(OSError, match="No space"):
+            with _writes(Disk(fails=last), beside=True) as write:
+                for table in range(last + 1):
+                    write(table)

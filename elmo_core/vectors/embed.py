@@ -31,6 +31,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class Job:
     work: Path
     identity: dict[str, Any]  # what ``_job.json`` records: a rerun with the same identity resumes the job
     processes: list[dict[str, str]] = field(default_factory=list)  # one per GPU (``gpu_processes``), or none
+    writes_beside: bool = False  # each pass's table written by a thread beside the model (on a GPU: ``_writes``)
 
     def bytes_to_write(self) -> int:
         """About the bytes of the units still to write (``ann.table_bytes``, its factors measured on real tables)."""
@@ -111,7 +113,7 @@ class Job:
         space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.out))} free"
         return [
             self.model.line(),
-            f"on {self.placement.line()}" + self._spread(),
+            f"on {self.placement.line()}" + self._spread() + ("; tables written beside it" if self.writes_beside else ""),
             f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens; {space}",
             f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
         ]
@@ -250,7 +252,8 @@ def plan_job(config: EmbedConfig) -> Job:
     }
     target = _target(out, work, identity, config.overwrite)
     processes = gpu_processes(placement.device) if len(units) > 1 else []
-    job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes)
+    beside = placement.torch_device.type == "cuda"  # a CPU's cores are the model's: a writer thread would take one
+    job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
     require_space(
         out, job.bytes_to_write(), "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
     )
@@ -283,6 +286,7 @@ class Embedder:
     def __init__(self, job: Job, show_kernels: bool = False) -> None:
         config = job.config
         self.config, self.model_id, self.show_kernels = config, job.model_id, show_kernels
+        self.writes_beside = job.writes_beside
         self.runtime = Runtime.open(job.model, placement=job.placement, max_batch_tokens=config.max_batch_tokens)
         if show_kernels:
             log.info("%s; oneDNN's log of the first batch follows", self.runtime.bilm.kernels)
@@ -313,9 +317,9 @@ class Embedder:
                 compression="zstd",
                 compression_level=1,
                 use_dictionary=["doc_id", "text", "model_id", "token"],
-            ) as writer:
+            ) as writer, _writes(writer, self.writes_beside) as write:
                 for table in self._tables(group, sentences):
-                    writer.write_table(table)
+                    write(table)
                     rows += table.num_rows
         seconds = time.perf_counter() - started
         return UnitResult(
@@ -433,6 +437,30 @@ def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
         column="elmo" if job.config.layers == "mix" else "layer_1",
         pooled=job.config.pool == "mean",
     )
+
+
+@contextlib.contextmanager
+def _writes(writer: pq.ParquetWriter, beside: bool, waiting: int = 2) -> Iterator[Callable[[pa.Table], None]]:
+    """How a pass's table reaches the file: written here, or (``beside``) by one thread beside the model, in order,
+    so that a GPU computes the next pass while the last one is compressed and written (pyarrow lets go of the GIL
+    as it writes); at most ``waiting`` tables wait for it, so memory stays bounded. A failed write is raised by the
+    next table's hand-over or at the end, and a unit's file is complete or absent either way (``atomic_path``)."""
+    if not beside:
+        yield writer.write_table
+        return
+    pending: list[Future[None]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="parquet-writer") as thread:
+
+        def write(table: pa.Table) -> None:
+            while len(pending) >= waiting:
+                pending.pop(0).result()
+            pending.append(thread.submit(writer.write_table, table))
+
+        try:
+            yield write
+        finally:
+            for future in pending:
+                future.result()
 
 
 _LOADED: dict[tuple[str, str], Embedder] = {}  # the model a process has loaded, for the units it runs after the first
