@@ -23,8 +23,11 @@ import pytest
 import torch
 import yaml
 
+from elmo_core.data.vocab import estimate_vocab
 from elmo_core.errors import DiskFullError, disk_full
-from elmo_core.fileio import free_bytes, require_space
+from elmo_core.fileio import format_bytes, free_bytes, remove_stale_temps, require_space
+from elmo_core.ingest import shard_paths
+from elmo_core.options import VocabConfig
 from elmo_core.train.checkpoint import list_checkpoints, problem, write_checkpoint
 from elmo_core.vectors.ann.files import table_bytes
 from tests.helpers import ROOT, run_elmo
@@ -64,6 +67,14 @@ def fill(folder: Path, leave: int) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def limit_entries(folder: Path, spare: int | None) -> None:
+    """Remount the tmpfs on ``folder`` with room for ``spare`` more files and folders (None: plenty): a write that
+    fills the filesystem after the plan found the bytes free (the kernel reports running out of entries as ENOSPC)."""
+    stat = os.statvfs(folder)
+    entries = stat.f_files - stat.f_ffree + spare if spare is not None else 100_000
+    subprocess.run(["mount", "-o", f"remount,nr_inodes={entries}", str(folder)], check=True)
 
 
 def assert_disk_full_line(result: subprocess.CompletedProcess, command: str, folder: Path) -> str:
@@ -167,6 +178,10 @@ def test_ingest(tmp_path, text, dataset):
 
 
 def test_vocab(tmp_path, dataset):
+    """Refused by its plan where the estimate does not fit, before any file appears; failing anyway (the entries run
+    out as DuckDB opens its WAL, the issue's ``Could not write file "vocab.duckdb.wal"``), the one line and no
+    ``vocab.duckdb``, half or whole, nor a temporary; a dead writer's temporary folder removed by the next claim, and
+    an earlier version's half database and its WAL replaced; the rerun equal to a run that had room all along."""
     reference = tmp_path / "reference" / "vocab.duckdb"
     assert run_elmo("vocab", "--corpus", str(dataset), "--db", str(reference)).returncode == 0
     with tmpfs(tmp_path / "disk", 4096) as disk:
@@ -174,19 +189,59 @@ def test_vocab(tmp_path, dataset):
         shutil.copytree(dataset, corpus)
         kept = digests(corpus)
         db = disk / "vocab" / "vocab.duckdb"
+        vocab = ("vocab", "--corpus", str(corpus), "--db", str(db))
+        estimate = estimate_vocab(VocabConfig(corpus=str(corpus), db=str(db)), shard_paths(corpus)).total
         filler = fill(disk, 200_000)
-        assert_disk_full_line(run_elmo("vocab", "--corpus", str(corpus), "--db", str(db)), "vocab", db.parent)
-        assert digests(corpus) == kept
+        line = assert_refused(run_elmo(*vocab), "vocab", db.parent)
+        assert f" needs about {format_bytes(estimate)} for the vocabulary and its token ids; " in line
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "ingest"]  # not even the lock beside it
         filler.unlink()
-        assert run_elmo("vocab", "--corpus", str(corpus), "--db", str(db)).returncode == 0
-        assert leftovers(disk) == []
+        limit_entries(disk, 4)  # the lock, the folder, the temporary folder and its database; not the WAL
+        line = assert_disk_full_line(run_elmo(*vocab), "vocab", db.parent)
+        assert f"; no half of {db} was left; its inputs are untouched; " in line
+        assert not db.exists() and leftovers(disk) == [] and digests(corpus) == kept
+        limit_entries(disk, None)
+        dead = db.parent / f".vocab.duckdb.{_dead_pid()}-0badc0de.tmp"  # what a writer killed mid-build leaves
+        dead.mkdir()
+        (dead / "vocab.duckdb").write_bytes(b"half")
+        (dead / "vocab.duckdb.wal").write_bytes(b"log")
+        db.write_bytes(b"half")  # and what a failed run of earlier versions left: half a database, and its log
+        Path(f"{db}.wal").write_bytes(b"log")
+        assert run_elmo(*vocab).returncode == 0
+        assert leftovers(disk) == [] and sorted(p.name for p in db.parent.iterdir()) == sorted(
+            p.name for p in reference.parent.iterdir()
+        )
         assert (db.parent / "vocab.txt").read_bytes() == (reference.parent / "vocab.txt").read_bytes()
         for split in ("train", "heldout"):
             keys = ("sentence_id",)
             assert rows(db.parent / "token_ids" / split, keys) == rows(reference.parent / "token_ids" / split, keys)
-        query = "SELECT * FROM vocab ORDER BY ALL"
         with duckdb.connect(str(db), read_only=True) as a, duckdb.connect(str(reference), read_only=True) as b:
-            assert a.execute(query).fetchall() == b.execute(query).fetchall()
+            for table in ("vocab", "token_counts", "char_ids", "corpus_stats"):
+                query = f"SELECT * FROM {table} ORDER BY ALL"
+                assert a.execute(query).fetchall() == b.execute(query).fetchall(), table
+
+
+def test_the_vocab_database_is_built_where_the_next_claim_cleans_up(tmp_path, dataset, monkeypatch):
+    """``vocab.duckdb`` is built in a temporary folder of this writer beside it (``fileio.temp_path``), the one a
+    claim removes once its writer is gone (killed mid-build: no ``finally`` ran), and renamed into place whole."""
+    from elmo_core.data import vocab as module
+
+    built = []
+    fill_tables = module._fill
+
+    def spy(con, config, shards, progress):
+        built.append(Path(con.execute("SELECT path FROM duckdb_databases() WHERE NOT internal").fetchone()[0]))
+        return fill_tables(con, config, shards, progress)
+
+    monkeypatch.setattr(module, "_fill", spy)
+    db = tmp_path / "vocab" / "vocab.duckdb"
+    module.build_vocab(VocabConfig(corpus=str(dataset), db=str(db)))
+    work = built[0].parent
+    assert built[0].name == db.name and work.parent == db.parent and not work.exists() and db.exists()
+    dead = db.parent / work.name.replace(f".{os.getpid()}-", f".{_dead_pid()}-")  # the same writer, killed
+    (dead / "spill").mkdir(parents=True)
+    (dead / "vocab.duckdb.wal").write_bytes(b"log")
+    assert remove_stale_temps(db.parent) == [dead] and not dead.exists()
 
 
 @pytest.fixture(scope="module")
@@ -384,8 +439,9 @@ def test_index(tmp_path, table):
 
 
 def test_verbose_shows_the_traceback_of_the_full_disk(tmp_path, dataset):
-    with tmpfs(tmp_path / "disk", 100) as disk:
+    with tmpfs(tmp_path / "disk", 4096) as disk:
         db = disk / "vocab" / "vocab.duckdb"
+        limit_entries(disk, 4)  # DuckDB cannot open its WAL
         result = run_elmo("-v", "vocab", "--corpus", str(dataset), "--db", str(db))
         assert result.returncode == 2 and "Traceback" in result.stderr
         assert result.stderr.strip().splitlines()[-1].startswith(f"elmo vocab: error: {db.parent}: the disk is full")
@@ -433,6 +489,69 @@ def test_the_weights_are_made_in_memory_and_equal_to_the_fixture(tmp_path):
         a.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
         for name in names:
             assert np.asarray(b[name]).tobytes() == np.asarray(a[name], dtype=np.float32).tobytes(), name
+
+
+# ----- the plans' estimates against what real runs write --------------------------------------------------
+#
+# Each estimate is checked both ways: a filesystem with exactly the estimate free (rounded up to its pages) is room
+# enough for the run, at its largest (a WAL beside its database, a new shard beside the old); and it is not more than
+# three times what the run leaves written.
+
+
+def _written(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (its lock left out: a claim's, not the stage's output)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name not in ("lock", ".lock"))
+
+
+def _just_room(disk: Path, estimate: int) -> Path:
+    """Another process's file leaving ``estimate`` bytes free, rounded up to the filesystem's pages."""
+    page = os.statvfs(disk).f_frsize
+    return fill(disk, -(-estimate // page) * page)
+
+
+@pytest.fixture(scope="module")
+def default_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """All of the repo's default corpus (40,291 tokens, 6,258 types: the vocab estimate's WAL at 2 MB)."""
+    from elmo_core.text.corpus import write_default_corpus
+
+    folder = tmp_path_factory.mktemp("default")
+    path, _ = write_default_corpus(folder / "corpus.txt")
+    assert run_elmo("ingest", str(path), "--out", str(folder / "ingest"), "--split-sentences").returncode == 0
+    return folder / "ingest"
+
+
+@pytest.mark.parametrize("corpus", ["dataset", "default_dataset"])
+def test_the_vocab_estimate_is_room_enough(tmp_path, request, corpus):
+    """``--plan`` prints the estimate and writes nothing; a disk with just that free holds the run (its database
+    and WAL at their largest); the estimate is at most 3x what the run leaves written."""
+    source = request.getfixturevalue(corpus)
+    with tmpfs(tmp_path / "disk", 8192) as disk:
+        db = disk / "vocab" / "vocab.duckdb"
+        vocab = ("vocab", "--corpus", str(source), "--db", str(db))
+        estimate = estimate_vocab(VocabConfig(corpus=str(source), db=str(db)), shard_paths(source)).total
+        planned = run_elmo(*vocab, "--plan")
+        assert planned.returncode == 0 and f": about {format_bytes(estimate)} to write (vocab.duckdb " in planned.stdout
+        assert list(disk.iterdir()) == []
+        _just_room(disk, estimate)
+        done = run_elmo(*vocab)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert estimate <= 3 * _written(db.parent)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_size": 100}, {"token_ids": False}, {"vocab_file": str(TRAIN_DATA / "vocab.txt")}],
+    ids=["counted", "max-size", "no-token-ids", "imported"],
+)
+def test_the_vocab_estimate_against_real_builds(tmp_path, dataset, options):
+    """Never short of what a build leaves written, nor more than 3x it (``vocab.py`` has the measurements)."""
+    from elmo_core.data.vocab import build_vocab
+
+    config = VocabConfig(corpus=str(dataset), db=str(tmp_path / "vocab" / "vocab.duckdb"), **options)
+    estimate = estimate_vocab(config, shard_paths(dataset)).total
+    build_vocab(config)
+    written = _written(tmp_path / "vocab")
+    assert written <= estimate <= 3 * written
 
 
 # ----- the tracking store, and the flows' runner ---------------------------------------------------------
