@@ -29,6 +29,7 @@ from elmo_core.fileio import format_bytes, free_bytes, remove_stale_temps, requi
 from elmo_core.ingest import shard_paths
 from elmo_core.options import VocabConfig
 from elmo_core.train.checkpoint import list_checkpoints, problem, write_checkpoint
+from elmo_core.vectors.ann.build import plan_build
 from elmo_core.vectors.ann.files import table_bytes
 from tests.helpers import ROOT, run_elmo
 
@@ -423,6 +424,9 @@ def test_embed(tmp_path, dataset, table):
 
 
 def test_index(tmp_path, table):
+    """Refused by its plan where the index does not fit, before any file of it appears; failing anyway (the entries
+    run out in the middle of a shard), the one line, the table untouched; the rerun with room equal to a run that had
+    room all along."""
     reference = tmp_path / "reference"
     shutil.copytree(table, reference)
     assert run_elmo("index", str(reference), "--shard-rows", "3000").returncode == 0
@@ -430,9 +434,15 @@ def test_index(tmp_path, table):
         out = disk / "table"
         shutil.copytree(table, out)
         kept = digests(out)
+        estimate = plan_build(out, None, 3000).bytes_to_write()
+        line = assert_refused(run_elmo("index", str(out), "--shard-rows", "3000"), "index", out / "_index" / "elmo")
+        assert f" needs about {format_bytes(estimate)} for the index; " in line
+        assert not (out / "_index").exists() and digests(out) == kept
+        subprocess.run(["mount", "-o", "remount,size=5120k", str(disk)], check=True)  # the estimate's 2.4 MB free
+        limit_entries(disk, 8)  # the folders, the lock, the quantizer, the header, three of the first shard's files
         assert_disk_full_line(run_elmo("index", str(out), "--shard-rows", "3000"), "index", out)
         assert {k: v for k, v in digests(out).items() if not k.startswith("_index")} == kept
-        subprocess.run(["mount", "-o", "remount,size=4096k", str(disk)], check=True)
+        limit_entries(disk, None)
         assert run_elmo("index", str(out), "--shard-rows", "3000").returncode == 0
         assert leftovers(disk) == []
         assert digests(out / "_index", skip=("lock",)) == digests(reference / "_index", skip=("lock",))
@@ -552,6 +562,40 @@ def test_the_vocab_estimate_against_real_builds(tmp_path, dataset, options):
     build_vocab(config)
     written = _written(tmp_path / "vocab")
     assert written <= estimate <= 3 * written
+
+
+def _index_estimate(table: Path, shard_rows: int) -> int:
+    return plan_build(table, None, shard_rows).bytes_to_write()
+
+
+def test_the_index_estimate_is_room_enough(tmp_path, table):
+    """``--plan`` prints the estimate and writes nothing; a disk with just that free holds the index."""
+    with tmpfs(tmp_path / "disk", 8192) as disk:
+        out = disk / "table"
+        shutil.copytree(table, out)
+        estimate = _index_estimate(out, 3000)
+        planned = run_elmo("index", str(out), "--shard-rows", "3000", "--plan")
+        assert planned.returncode == 0 and f"; about {format_bytes(estimate)} to write, " in planned.stdout
+        assert not (out / "_index").exists()
+        _just_room(disk, estimate)
+        done = run_elmo("index", str(out), "--shard-rows", "3000")
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shard_rows", [3000, 100_000])
+def test_the_index_estimate_against_real_builds(tmp_path, table, shard_rows):
+    """Never short of the index a build writes, nor more than 3x it (``files.py`` has the measurements); a rebuild
+    counts what it removes first."""
+    from elmo_core.vectors.ann.build import build_index
+
+    copy = tmp_path / "table"
+    shutil.copytree(table, copy)
+    estimate = _index_estimate(copy, shard_rows)
+    summary = build_index(copy, shard_rows=shard_rows)
+    written = _written(summary.folder)
+    assert written <= estimate <= 3 * written
+    assert plan_build(copy, None, shard_rows).bytes_to_write() == 0  # up to date: nothing to write
+    assert plan_build(copy, None, shard_rows, rebuild=True).bytes_to_write() <= estimate - written // 2
 
 
 # ----- the tracking store, and the flows' runner ---------------------------------------------------------

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from elmo_core import cpu
 from elmo_core.errors import InputError
-from elmo_core.fileio import FolderLock, atomic_path, write_text_atomic
+from elmo_core.fileio import FolderLock, atomic_path, format_bytes, free_bytes, require_space, write_text_atomic
 from elmo_core.options import IndexConfig
 from elmo_core.stage import run_local
 from elmo_core.vectors.ann.files import (
@@ -27,6 +27,7 @@ from elmo_core.vectors.ann.files import (
     Header,
     PartFile,
     ShardRecord,
+    index_bytes,
     index_dir,
     read_header,
     read_shards,
@@ -54,6 +55,24 @@ class BuildPlan:
     notes: list[str] = field(default_factory=list)
     wait: bool = False  # a second build on the folder waits for the first instead of failing
     config: Any = None  # the options it was planned from (the claim plans again under the lock)
+    meta_row: float = 0.0  # bytes of metadata a row, and of a key, in a sample of the rows to build
+    key_length: float = 0.0
+    freed: int = 0  # the bytes of the files ``make_room`` removes before the build writes
+
+    @property
+    def trains(self) -> bool:
+        """Whether the build trains (and writes) the quantizer: ``make_room``'s rule."""
+        return (self.fresh or not (self.folder / "trained.faiss").exists()) and bool(self.todo or self.kept)
+
+    def bytes_to_write(self) -> int:
+        """About the bytes the build adds to the filesystem: its shards and quantizer (``files.index_bytes``, its
+        factors measured on real builds) less what it removes first."""
+        header = self.facts.header
+        shards = index_bytes(
+            self.rows_todo, header.dim, header.dtype, header.nlist, len(self.todo), self.meta_row, self.key_length,
+            self.trains,
+        )  # fmt: skip
+        return max(0, shards - self.freed)
 
     @property
     def units(self) -> list[ShardRecord]:
@@ -66,7 +85,9 @@ class BuildPlan:
     def lines(self) -> list[str]:
         start = "a new index (the quantizer trained anew)" if self.fresh else f"{len(self.kept)} shards kept"
         dropped = f", {len(self.dropped)} stale shards dropped" if self.dropped else ""
-        return [f"{start}{dropped}; {len(self.todo)} shards to build ({self.rows_todo:,} rows) -> {self.folder}"]
+        space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.folder))} free"
+        todo = f"{len(self.todo)} shards to build ({self.rows_todo:,} rows)"
+        return [f"{start}{dropped}; {todo}; {space} -> {self.folder}"]
 
 
 def plan_build(table: Path, layer: str | None, shard_rows: int, rebuild: bool = False, **tuning: Any) -> BuildPlan:
@@ -103,7 +124,32 @@ def plan_build(table: Path, layer: str | None, shard_rows: int, rebuild: bool = 
         group.append(part)
     if group:
         plan.todo.append(ShardRecord(number, group))
+    plan.meta_row, plan.key_length = _sampled_meta(facts, plan.todo)
+    removed = [*folder.glob("shard-*"), folder / "trained.faiss", folder / HEADER] if fresh else []
+    removed += [path for shard in plan.dropped for path in shard.files(folder)]
+    plan.freed = sum(path.stat().st_size for path in set(removed) if path.is_file())
     return plan
+
+
+SAMPLE_ROWS = 4_096
+
+
+def _sampled_meta(facts: TableFacts, todo: list[ShardRecord]) -> tuple[float, float]:
+    """Bytes a row of a shard's metadata takes in Arrow (as ``_write_meta`` writes it: the text dictionary-encoded),
+    and a key's mean length, in the first rows of the first part to build; (0, 0) where nothing is to be built."""
+    if not todo:
+        return 0.0, 0.0
+    pf = pq.ParquetFile(facts.table / todo[0].parts[0].name)
+    columns = _meta_columns(facts.header, pf.schema_arrow)
+    batch = next(pf.iter_batches(batch_size=SAMPLE_ROWS, columns=columns), None)
+    if batch is None or batch.num_rows == 0:
+        return 0.0, 0.0
+    meta = pa.table({c: batch.column(c) for c in columns})
+    if "text" in meta.column_names:
+        meta = meta.set_column(meta.column_names.index("text"), "text", pc.dictionary_encode(meta.column("text")))
+    key = meta.column(facts.header.key)
+    length = pc.sum(pc.binary_length(key.cast(pa.string()))).as_py() or 0
+    return meta.nbytes / batch.num_rows, length / batch.num_rows
 
 
 def make_room(plan: BuildPlan) -> None:
@@ -285,7 +331,14 @@ class IndexStage:
         return config.identity()
 
     def plan(self, config: IndexConfig) -> BuildPlan:
-        """What the build does, reading the table and the index only (``make_room`` acts on it, in the claim)."""
+        """What the build does, reading the table and the index only (``make_room`` acts on it, in the claim);
+        refused in one line where the filesystem has no room for the shards it writes."""
+        plan = self._planned(config)
+        require_space(plan.folder, plan.bytes_to_write(), "the index", "free some space, or index a smaller table")
+        return plan
+
+    @staticmethod
+    def _planned(config: IndexConfig) -> BuildPlan:
         tuning = {"nlist": config.nlist, "nprobe": config.nprobe}
         plan = plan_build(Path(config.table), config.layer, config.shard_rows, config.rebuild, **tuning)
         plan.wait, plan.config = config.wait, config
@@ -295,7 +348,7 @@ class IndexStage:
     def claim(self, plan: BuildPlan) -> Iterator[None]:
         """The index folder's lock, then the room made: stale shards dropped, the quantizer trained where new."""
         with _folder_lock(plan.folder, plan.wait):
-            vars(plan).update(vars(self.plan(plan.config)))  # planned again under the lock: another build may have run
+            vars(plan).update(vars(self._planned(plan.config)))  # again under the lock: another build may have run
             for note in plan.notes:
                 log.info("index: %s", note)
             make_room(plan)

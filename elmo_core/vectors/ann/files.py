@@ -159,3 +159,35 @@ def table_bytes(rows: int, n_layers: int, width: int, dtype: str, layers: str, p
     columns = n_layers if layers == "all" else 1
     per_row = columns * width * itemsize * VECTOR_FACTOR + ROW_BYTES[pool]
     return int(rows * per_row + parts * PART_FOOTER_BYTES)
+
+
+# ----- what an index will take on disk (its plan compares it with the free space) -----------------------------
+
+# Measured on real builds (``elmo index`` of the tiny AllenNLP test model's tables, width 32: 9,059 and 40,291 token
+# rows in float32 and float16, and sentences pooled): a shard's vectors.npy is its rows × width × the dtype's bytes
+# (+ a 128-byte header); its .faiss the 8-bit codes (a byte a dimension) and an 8-byte id a row, with the coarse
+# quantizer (nlist × width float32) and 8 bytes a list in every shard (1,635,016 bytes for 39,997 rows, nlist 256);
+# order.npy 8 bytes a row; meta.arrow what a sample of the rows' key, ids and text take in Arrow (51.4 bytes a row
+# written, 52.4 sampled); keys.arrow a key's text, 16 bytes of range and a 4-byte offset per distinct key, counted as
+# if every row had its own (4.4 bytes a row written for 6,220 words in 39,997 rows, 25.6 counted); trained.faiss the
+# quantizer once more (33,208 bytes).
+CODE_BYTES = 1  # a dimension's code (QT_8bit)
+ROW_ID_BYTES = 8  # a row's id in the inverted lists
+ORDER_BYTES = 8  # a row's place in order.npy
+KEY_RANGE_BYTES = 20  # a key's lo and hi (int64) and its offset
+LIST_BYTES = 8  # a list's length, per shard
+FILE_SLACK = 6 * 4_096 + 2_048  # per shard: its six files' last blocks, headers, its record
+
+
+def index_bytes(
+    rows: int, dim: int, dtype: str, nlist: int, shards: int, meta_row: float, key_length: float, train: bool
+) -> int:
+    """About the bytes of ``shards`` shards of ``rows`` rows in all, of vectors of ``dim`` in ``dtype``, with
+    ``meta_row`` bytes of metadata a row (sampled) and keys of ``key_length`` bytes; ``train``: the quantizer's
+    file too. Pure arithmetic on the measurements above."""
+    itemsize = {"float64": 8, "float32": 4, "float16": 2}[dtype]
+    per_row = dim * (itemsize + CODE_BYTES) + ROW_ID_BYTES + ORDER_BYTES + meta_row + key_length + KEY_RANGE_BYTES
+    quantizer = nlist * dim * 4
+    per_shard = quantizer + nlist * LIST_BYTES + FILE_SLACK
+    trained = quantizer + 2 * dim * 4 + FILE_SLACK if train else 0
+    return int(rows * per_row + shards * per_shard + trained)
