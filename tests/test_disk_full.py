@@ -274,6 +274,9 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_train(tmp_path, fixture_vocab):
+    """A resume its plan finds no room for is refused before a byte changes; one another process fills the disk under
+    stops at its next checkpoint naming the last verified one; the rerun with ``--resume`` trains as a run that had
+    room all along."""
     config = _train_config(tmp_path, fixture_vocab)
     reference = tmp_path / "reference"
     assert run_elmo("train", "--config", str(config), "--out", str(reference), "--max-steps", "30").returncode == 0
@@ -281,13 +284,27 @@ def test_train(tmp_path, fixture_vocab):
         out = disk / "run"
         assert run_elmo("train", "--config", str(config), "--out", str(out), "--max-steps", "10").returncode == 0
         first = list_checkpoints(out)[-1]
+        kept = digests(out)
+        resume = ("train", "--config", str(config), "--out", str(out), "--max-steps", "30", "--resume")
         filler = fill(disk, 150_000)  # less than one checkpoint of 390 kB
-        result = run_elmo("train", "--config", str(config), "--out", str(out), "--max-steps", "30", "--resume")
+        line = assert_refused(run_elmo(*resume), "train", out)
+        assert " for the checkpoints (keep 2) and the export; " in line and digests(out) == kept
+        filler.unlink()
+        command = [sys.executable, "-m", "elmo_core.cli", *resume]
+        job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = []
+        for said_line in job.stderr:  # type: ignore[union-attr]
+            said.append(said_line)
+            if "resumed from " in said_line:
+                break  # the plan found room: now another process takes it, before the checkpoint of step 20
+        fill(disk, 150_000)
+        stdout, stderr = job.communicate(timeout=300)
+        result = subprocess.CompletedProcess(command, job.returncode, stdout, "".join(said) + stderr)
         line = assert_refused(result, "train", out / "checkpoints")
         assert f"the last verified checkpoint {first} (step 10) is kept" in line and "--resume" in line
         assert list_checkpoints(out) == [first] and problem(first) is None
-        filler.unlink()
-        resumed = run_elmo("train", "--config", str(config), "--out", str(out), "--max-steps", "30", "--resume")
+        (disk / "filler").unlink()
+        resumed = run_elmo(*resume)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert leftovers(disk) == []
         assert _losses(out) == _losses(reference) and len(_losses(reference)) == 30
@@ -596,6 +613,35 @@ def test_the_index_estimate_against_real_builds(tmp_path, table, shard_rows):
     assert written <= estimate <= 3 * written
     assert plan_build(copy, None, shard_rows).bytes_to_write() == 0  # up to date: nothing to write
     assert plan_build(copy, None, shard_rows, rebuild=True).bytes_to_write() <= estimate - written // 2
+
+
+@pytest.mark.slow
+def test_the_training_plan_looks_before_writing(tmp_path, fixture_vocab):
+    """``--plan`` prints the estimate; a run it does not fit is refused in one line before any file appears; one with
+    just that free runs to the end (its checkpoints, export and metrics), the estimate at most 3x what it wrote."""
+    from elmo_core.options import TrainConfig
+    from elmo_core.train.plan import plan_training
+
+    config = _train_config(tmp_path, fixture_vocab)
+    with tmpfs(tmp_path / "disk", 3072) as disk:
+        out = disk / "run"
+        train = ("train", "--config", str(config), "--out", str(out), "--max-steps", "20")
+        options = TrainConfig(**yaml.safe_load(config.read_text()), out=str(out), max_steps=20)
+        estimate = plan_training(options).space.total
+        planned = run_elmo(*train, "--plan")
+        assert (
+            planned.returncode == 0 and f"about {format_bytes(estimate)} to write (2 checkpoints of" in planned.stdout
+        )
+        filler = fill(disk, estimate // 2)
+        line = assert_refused(run_elmo(*train), "train", out)
+        assert f" needs about {format_bytes(estimate)} for the checkpoints (keep 2) and the export; " in line
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+        filler.unlink()
+        _just_room(disk, estimate)
+        done = run_elmo(*train)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert len(list_checkpoints(out)) == 2 and (out / "model" / "weights.hdf5").exists()
+        assert estimate <= 3 * _written(out)
 
 
 # ----- the tracking store, and the flows' runner ---------------------------------------------------------

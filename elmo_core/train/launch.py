@@ -293,7 +293,9 @@ class TrainStage(WholeStage):
             check_reachable(config.tracking_uri)  # a tracking server that is away: refused first, in seconds
         per_node, nodes = world_of(config)
         world = per_node * nodes
-        lines = plan_training(config, world=world).lines()
+        plan = plan_training(config, world=world)
+        plan.require_room()  # refused in one line where the run's checkpoints and export will not fit
+        lines = plan.lines()
         return lines + ([f"{world} ranks ({per_node} a node on {nodes} nodes), torchrun"] if world > 1 else [])
 
     def writes(self, config: TrainConfig) -> list[Path]:
