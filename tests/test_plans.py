@@ -99,6 +99,8 @@ def test_every_stage_plan_changes_nothing_on_disk(chain):
         and "index: built once the table is written" in said["embed-new-text"]
     )
     assert "a new index (the quantizer trained anew)" in said["index"]
+    for name in ("vocab", "train", "train-new", "index"):  # the bytes each will write, and the room there is
+        assert " to write" in said[name] and " free" in said[name], name
 
 
 def _holder(root: Path, name: str) -> FolderLock:
