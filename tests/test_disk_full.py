@@ -581,6 +581,20 @@ def test_the_vocab_estimate_against_real_builds(tmp_path, dataset, options):
     assert written <= estimate <= 3 * written
 
 
+def test_the_vocab_plan_of_nothing_to_count_is_one_line(tmp_path):
+    """No shards yet: the plan estimates an empty database and the work says there is nothing to count; a missing
+    vocabulary file to import: refused by the plan in its own line, not an ``OSError``."""
+    from elmo_core.data.vocab import VocabStage
+    from elmo_core.errors import InputError
+
+    empty = VocabConfig(corpus=str(tmp_path / "none"), db=str(tmp_path / "vocab" / "vocab.duckdb"))
+    assert "0 tokens, about 0 types: about 1.5 MB to write" in VocabStage().plan(empty).lines()[1]
+    missing = empty.model_copy(update={"vocab_file": str(tmp_path / "vocab.txt")})
+    with pytest.raises(InputError, match="vocabulary file not found"):
+        VocabStage().plan(missing)
+    assert not (tmp_path / "vocab").exists()
+
+
 def _index_estimate(table: Path, shard_rows: int) -> int:
     return plan_build(table, None, shard_rows).bytes_to_write()
 

@@ -383,9 +383,9 @@ def estimate_vocab(config: VocabConfig, shards: list[Path]) -> VocabEstimate:
     types, length, exact = _types(footers.groups, footers.tokens)
     entries = min(types + len(SPECIAL_TOKENS), config.max_size or types + len(SPECIAL_TOKENS))
     vocab_txt = int(entries * (length + 1))
-    if config.vocab_file:  # imported: its entries, whatever the corpus holds
-        vocab_txt = Path(config.vocab_file).stat().st_size
-        entries = Path(config.vocab_file).read_bytes().count(b"\n") + 1
+    if config.vocab_file:  # imported: its entries, whatever the corpus holds (a missing file: refused in one line)
+        imported = read_vocab_file(config.vocab_file)
+        entries, vocab_txt = len(imported), sum(len(token.encode()) + 1 for token in imported)
     rows = max(types, entries)
     db = DB_BYTES + rows * (TYPE_BYTES + 3 * length)
     db += _wal_bytes({"token_counts": types, "vocab": entries, "char_ids": entries}, length, exact)
@@ -407,6 +407,8 @@ def _wal_bytes(rows: dict[str, int], length: float, exact: bool) -> int:
 def _types(groups: list[tuple[Path, int]], tokens: int) -> tuple[int, float, bool]:
     """About how many distinct tokens ``tokens`` tokens hold, their mean length in bytes, and whether that was
     counted exactly: counted in up to ``SAMPLE_GROUPS`` row groups spread over ``groups``, scaled by Heaps' law."""
+    if not groups:  # no shards: the work says so, in one line
+        return 0, 0.0, True
     picked = sorted({round(i * (len(groups) - 1) / max(1, SAMPLE_GROUPS - 1)) for i in range(SAMPLE_GROUPS)})
     read = [pq.ParquetFile(groups[i][0]).read_row_group(groups[i][1], columns=["tokens"]).column(0) for i in picked]
     sample = pa.chunked_array([c.combine_chunks().flatten() for c in read], pa.string())
