@@ -113,16 +113,18 @@ class Job:
         space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.out))} free"
         return [
             self.model.line(),
-            f"on {self.placement.line()}" + self._spread() + ("; tables written beside it" if self.writes_beside else ""),
+            f"on {self.placement.line()}{self._spread()}",
             f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens; {space}",
             f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
         ]
 
     def _spread(self) -> str:
-        if not self.processes:
-            return ""
-        gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in self.processes)
-        return f"; one process per GPU ({gpus}), each taking units as it finishes one"
+        """Where the units run beside the placement, where the plan decided more than the placement says."""
+        spread = ""
+        if self.processes:
+            gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in self.processes)
+            spread += f"; one process per GPU ({gpus}), each taking units as it finishes one"
+        return spread + ("; tables written by a thread beside the model" if self.writes_beside else "")
 
     @property
     def replaces(self) -> bool:
@@ -311,13 +313,16 @@ class Embedder:
         sentences = group.column("tokens").to_pylist()
         rows = 0
         with atomic_path(target) as tmp:
-            with pq.ParquetWriter(
-                tmp,
-                self.schema,
-                compression="zstd",
-                compression_level=1,
-                use_dictionary=["doc_id", "text", "model_id", "token"],
-            ) as writer, _writes(writer, self.writes_beside) as write:
+            with (
+                pq.ParquetWriter(
+                    tmp,
+                    self.schema,
+                    compression="zstd",
+                    compression_level=1,
+                    use_dictionary=["doc_id", "text", "model_id", "token"],
+                ) as writer,
+                _writes(writer, self.writes_beside) as write,
+            ):
                 for table in self._tables(group, sentences):
                     write(table)
                     rows += table.num_rows
