@@ -51,16 +51,40 @@ def test_int8_holds_the_cosine_bar_on_real_text_with_the_tf_trained_model(allenn
 
 
 @needs_int8
+def test_int8_per_word_input_products_in_bf16_where_the_cpu_has_them(allennlp_dir):
+    """Layer 0's per-word input product, the one int8 does not quantize, runs in bf16 on a CPU with bf16 products
+    (named on the kernels line) and holds the cosine bar beside its fp32 form; elsewhere it is fp32."""
+    if not fused_gates.available():
+        pytest.skip(fused_gates.describe())
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    text = _real_sentences(200)
+    exact = bilm.embed_sentences(text)
+    chosen = bilm.prepare("int8")
+    native = precision_module.cpu_has_native_bf16()
+    assert chosen.word_gates_bf16 == native
+    assert f"layer 0's per-word input products in {'bf16' if native else 'fp32'}" in str(chosen)
+    by_choice = bilm.embed_sentences(text, precision="int8")  # on the kernels just prepared
+    assert not bilm.prepare("int8", word_gates_bf16=False).word_gates_bf16
+    in_fp32 = bilm.embed_sentences(text, precision="int8")
+    if native:
+        assert not all(np.array_equal(a, b) for a, b in zip(by_choice, in_fp32))  # bf16 products really ran
+    for got in (by_choice, in_fp32):
+        for layer in range(bilm.num_layers):
+            cos = np.concatenate([_cosines(a[layer], b[layer]) for a, b in zip(exact, got)])
+            assert np.quantile(cos, 0.001) >= 0.999, layer
+
+
+@needs_int8
 def test_int8_products_with_and_without_the_c_gates_agree(allennlp_dir):
     if not fused_gates.available():
         pytest.skip(fused_gates.describe())
     bilm = BiLM.from_pretrained(str(allennlp_dir))
     sentences = [s * 3 for s in _real_sentences(8)]  # rows drop out step by step
-    with_c = bilm.prepare("int8")
+    with_c = bilm.prepare("int8", word_gates_bf16=False)  # the same products as without the C gates
     assert with_c.gate_kernel
-    fused = bilm.embed_sentences(sentences)
+    fused = bilm.embed_sentences(sentences, precision="int8")  # on the kernels just prepared
     assert not bilm.prepare("int8", gate_kernel=False).gate_kernel
-    assert_same_vectors(fused, bilm.embed_sentences(sentences), "int8", fp32_atol=0)
+    assert_same_vectors(fused, bilm.embed_sentences(sentences, precision="int8"), "int8", fp32_atol=0)
 
 
 @needs_int8

@@ -11,7 +11,8 @@ It computes what ``model.LstmCell`` (the reference) computes, with the weights p
   so that one sigmoid serves all four gates (tanh(x) = 2 sigmoid(2x) - 1); each step's input always fused with
   the state (faster on the small shape than separate input gates).
 * **int8**: as fp32, with every per-step product (input with state, recurrent, projection) on int8 weights with
-  activations quantized per call (``int8.py``); layer 0's per-word input gates, the gates and the state stay fp32.
+  activations quantized per call (``int8.py``); layer 0's per-word input gates in bf16 where the CPU has bf16
+  products (``word_gates_bf16``), else fp32; the gates and the state stay fp32.
 
 The gate arithmetic of a step runs as one C loop where it could be built (``fused_gates.py``), else as PyTorch ops;
 in fp32 a layer's steps run in one C call from the first step of ``loop_rows`` rows or fewer (``step_loop.py``).
@@ -101,6 +102,7 @@ class CpuCell:
         gate_kernel: bool,
         int8: bool = False,
         c_loop: bool = False,
+        word_gates_bf16: bool = False,
     ) -> None:
         self.hidden, (self.cell_clip, self.proj_clip) = pair[0].hidden_size, clips
         self.loop_rows = 0  # steps of at most this many rows run in one C call, with every step after them
@@ -112,6 +114,11 @@ class CpuCell:
         kind = "bf16" if bf16 else "int8" if int8 else "fp32"
         pack = Int8Weights if int8 else PackedWeights  # int8: the "packed" products are dynamic int8 ones
         self.w_ih_t, self.bias, self.w_hh_t, self.w_hr_t = cache.get(pair, kind, lambda: self._weights(pair))
+        # int8 with the gate kernel on native bf16: layer 0's per-word input product in bf16, its weight made on first
+        # use (only layer 0 reads words), its rows read by the C loop as bf16
+        self.word_w_ih_t: Callable[[], Tensor] | None = None
+        if word_gates_bf16 and gate_kernel:
+            self.word_w_ih_t = lambda: cache.get(pair, "bf16-ih-words", lambda: self.w_ih_t.to(torch.bfloat16))
         # the projection's input comes from the C loop in bf16; without a projection m is h, kept float32
         self.m_dtype = torch.bfloat16 if bf16 and self.w_hr_t is not None else torch.float32
 
@@ -169,7 +176,8 @@ class CpuCell:
         step the rows its tokens take (``ids`` (2, N) rows of ``table``, packed order)."""
         rows = ids + torch.tensor([[0], [table.shape[0]]])  # the backward direction's rows follow the forward's
         if self.gate_kernel:  # the C loop adds the bias and reads the rows in place (bf16: half the memory)
-            flat = torch.bmm(table.to(self.dtype).expand(2, *table.shape), self.w_ih_t).reshape(2 * table.shape[0], -1)
+            dtype, w_ih_t = (torch.bfloat16, self.word_w_ih_t()) if self.word_w_ih_t else (self.dtype, self.w_ih_t)
+            flat = torch.bmm(table.to(dtype).expand(2, *table.shape), w_ih_t).reshape(2 * table.shape[0], -1)
             return (GateRows(flat, r, self.bias) for r in rows.split(batch_sizes, dim=1))
         flat = self._input_gates(table.expand(2, *table.shape)).reshape(2 * table.shape[0], -1)
         return (flat.index_select(0, r.reshape(-1)).view(2, r.shape[1], -1) for r in rows.split(batch_sizes, dim=1))

@@ -63,6 +63,7 @@ class Kernels:
     packed_weights: str = ""
     gate_kernel_note: str = ""
     step_loop: bool = False  # fp32: a layer's steps in one C call (``step_loop``), every one or the last few
+    word_gates_bf16: bool = False  # int8 with native bf16: layer 0's per-word input product in bf16 (``CpuCell``)
     layer_at_once: bool = False  # the steps run ``layer_steps.LayerCell`` (a whole layer per call, fixed shapes)
     compiled: bool = False
     graphs: bool = False
@@ -78,7 +79,8 @@ class Kernels:
             how = layer_steps.describe(self.compiled, self.graphs, *self.layer_note)
             return f"precision {self.precision} on {self.device}: {how}"
         products = (
-            f"LSTM step products in int8 {self.packed_weights} ({int8.describe()})"
+            f"LSTM step products in int8 {self.packed_weights} ({int8.describe()}), layer 0's per-word input "
+            f"products in {'bf16' if self.word_gates_bf16 else 'fp32'}"
             if self.precision == "int8"
             else f"LSTM step weights packed for oneDNN {self.packed_weights}"
         )
@@ -110,6 +112,7 @@ class Kernels:
             gate_kernel=self.gate_kernel,
             int8=self.precision == "int8",
             c_loop=self.step_loop,
+            word_gates_bf16=self.word_gates_bf16,
         )
 
     def token_encoder(self, encoder: nn.Module) -> nn.Module:
@@ -141,6 +144,7 @@ def choose(
     layer_at_once: bool | None = None,
     compiled: bool | None = None,
     graphs: bool | None = None,
+    word_gates_bf16: bool | None = None,
 ) -> Kernels:
     """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
     else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
@@ -151,7 +155,8 @@ def choose(
     On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
     the reference, as does ``cpu_cells=False``), its steps compiled where ``torch.compile`` runs (``compiled``;
     ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where
-    ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs)."""
+    ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs). ``word_gates_bf16``: int8's per-word
+    input product in bf16 (``_word_gates_bf16``)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
@@ -182,7 +187,17 @@ def choose(
         packed_weights=_describe_packing(lstm, min_packed, why_not),  # type: ignore[arg-type]
         gate_kernel_note=gate_note,
         step_loop=precision == "fp32" and bool(gate_kernel) and step_loop is not False and step_loop_module.on(),
+        word_gates_bf16=_word_gates_bf16(precision, bool(gate_kernel), word_gates_bf16),
     )
+
+
+def _word_gates_bf16(precision: str, gate_kernel: bool, forced: bool | None) -> bool:
+    """int8: layer 0's per-word input product (one per distinct word a call), which int8 does not quantize (int8
+    activations scaled per call over every word's row fell below int8's cosine bar, 0.9976 against 0.999 in
+    tests/test_int8.py), in bf16, which holds it at 1.22x int8's tokens/s on the original size
+    (bench/int8_word_gates.py): where the CPU has bf16 products (emulated they are slower than fp32) and the C gate
+    kernel reads the bf16 rows. ``forced`` False: fp32."""
+    return precision == "int8" and gate_kernel and forced is not False and cpu_has_native_bf16()
 
 
 def _layer_at_once(device: torch.device, precision: str, forced: bool | None) -> bool:
