@@ -322,6 +322,7 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
     assert not alive, [_cmdline(psutil.Process(p)) for p in alive if _running(p)]
 
 
+@pytest.mark.slow  # 100 s here: a Prefect server starts, then Dask gives up on the workers that cannot start
 def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir):
     import os
 
