@@ -63,7 +63,9 @@ def _index_artifact(summary: IndexSummary, table: str) -> dict[str, Any]:
 @flow(name="embed", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=1))
 def embed_flow(config: EmbedConfig) -> dict[str, Any]:
     """Embed ``config.input`` with ``config.model`` into ``config.out`` (a rerun does only what is missing)."""
-    summary = embed(config, run=run_stage)
+    # the flow's task runner places the units (threads here; Dask's workers under run_on_dask, each with the GPU
+    # its cluster gives it), so the job plans no processes of its own
+    summary = embed(config, run=run_stage, per_gpu=False)
     print(summary.line())
     record = _table_artifact(summary)
     if summary.index is not None:

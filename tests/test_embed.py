@@ -335,8 +335,19 @@ def test_a_write_beside_the_model_keeps_the_order_and_its_failure_fails_the_unit
         for table in range(5):
             write(table)
     assert disk.tables == [0, 1, 2, 3, 4]  # in order, all of them by the end
-    for last in (3, 7):  # failing while more tables are handed over, and failing on the last one
-        with pytest.raises(OSError, match="No space"):
-            with _writes(Disk(fails=last), beside=True) as write:
-                for table in range(last + 1):
-                    write(table)
+    handed = []
+    with pytest.raises(OSError, match="No space"):  # failing while more tables are handed over: the next hand-over
+        with _writes(Disk(fails=3), beside=True) as write:
+            for table in range(8):
+                write(table)
+                handed.append(table)
+    assert handed == [0, 1, 2, 3, 4]
+    with pytest.raises(OSError, match="No space"):  # failing on the last table: at the end
+        with _writes(Disk(fails=7), beside=True) as write:
+            for table in range(8):
+                write(table)
+    with pytest.raises(RuntimeError, match="the pass failed"):  # the pass's own error, not a queued write's
+        with _writes(Disk(fails=1), beside=True) as write:
+            write(0)
+            write(1)
+            raise RuntimeError("the pass failed")

@@ -232,7 +232,7 @@ def _model_and_options(config: EmbedConfig) -> tuple[Placement, ModelRef, dict[s
     return placement, model, known
 
 
-def plan_job(config: EmbedConfig) -> Job:
+def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
     """The stage's plan, reading only: the output folder checked, the model resolved (MLflow URIs through the
     runtime's download cache) and placed, the input's units cut, where they go. Nothing is created or changed: the
     claim (``_ready``, under ``job_lock``) does that; text input is tokenized before, by ``TokenizeStage``."""
@@ -253,7 +253,7 @@ def plan_job(config: EmbedConfig) -> Job:
         "units": [u.name for u in units],
     }
     target = _target(out, work, identity, config.overwrite)
-    processes = gpu_processes(placement.device) if len(units) > 1 else []
+    processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []
     beside = placement.torch_device.type == "cuda"  # a CPU's cores are the model's: a writer thread would take one
     job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
     require_space(
@@ -463,9 +463,12 @@ def _writes(writer: pq.ParquetWriter, beside: bool, waiting: int = 2) -> Iterato
 
         try:
             yield write
-        finally:
+        except BaseException:  # the pass failed (or was stopped): its error is the one to see, not a queued write's
             for future in pending:
-                future.result()
+                future.cancel()
+            raise
+        for future in pending:
+            future.result()
 
 
 _LOADED: dict[tuple[str, str], Embedder] = {}  # the model a process has loaded, for the units it runs after the first
@@ -478,14 +481,15 @@ class EmbedStage:
 
     name, counts = "embed", "tokens"
 
-    def __init__(self, show_kernels: bool = False) -> None:
+    def __init__(self, show_kernels: bool = False, per_gpu: bool = True) -> None:
         self.show_kernels = show_kernels  # log the kernels, and oneDNN's log of the first batch
+        self.per_gpu = per_gpu  # plan one process per GPU (``Job.processes``); False where a task runner places units
 
     def identity(self, config: EmbedConfig) -> dict[str, Any]:
-        return plan_job(config).identity
+        return plan_job(config, self.per_gpu).identity
 
     def plan(self, config: EmbedConfig) -> Job:
-        return plan_job(config)
+        return plan_job(config, self.per_gpu)
 
     @contextlib.contextmanager
     def claim(self, job: Job) -> Iterator[None]:
@@ -504,13 +508,13 @@ class EmbedStage:
         return finish(job, results, seconds)
 
 
-def stages(config: EmbedConfig, show_kernels: bool = False) -> list[tuple[Any, Any]]:
+def stages(config: EmbedConfig, show_kernels: bool = False, per_gpu: bool = True) -> list[tuple[Any, Any]]:
     """The stages an embedding job runs, in order, each with its options: text tokenized first where it has to be,
-    the table, then (``index``) its nearest-neighbour index."""
+    the table (``per_gpu``: one process per GPU, see ``plan_job``), then (``index``) its nearest-neighbour index."""
     steps: list[tuple[Any, Any]] = []
     if needs_tokenizing(config):  # another job's folder is refused in its plan, before any text is tokenized
         steps.append((TokenizeStage(check=_model_and_options), config))
-    steps.append((EmbedStage(show_kernels), config))
+    steps.append((EmbedStage(show_kernels, per_gpu), config))
     if config.index:
         steps.append((IndexStage(), IndexConfig(table=config.out, wait=config.wait)))
     return steps
@@ -531,11 +535,17 @@ def plan_lines(config: EmbedConfig) -> list[str]:
     return lines
 
 
-def embed(config: EmbedConfig, show_kernels: bool = False, run: Callable[[Any, Any], Any] = run_local) -> EmbedSummary:
+def embed(
+    config: EmbedConfig,
+    show_kernels: bool = False,
+    run: Callable[[Any, Any], Any] = run_local,
+    per_gpu: bool = True,
+) -> EmbedSummary:
     """An embedding job (``stages``), each stage driven by ``run`` (this process by default; the embed flow passes
     ``flows.common.run_stage``, which maps the units over Prefect tasks). A rerun does only what is missing.
-    ``show_kernels``: log what runs, and oneDNN's log of the first batch."""
-    results = [run(stage, options) for stage, options in stages(config, show_kernels)]
+    ``show_kernels``: log what runs, and oneDNN's log of the first batch. ``per_gpu``: plan one process per GPU of
+    the machine (``run_local`` starts them); a runner whose task runner places the units itself passes False."""
+    results = [run(stage, options) for stage, options in stages(config, show_kernels, per_gpu)]
     table: EmbedSummary = next(r for r in results if isinstance(r, EmbedSummary))
     if config.index:
         table.index = results[-1]
