@@ -5,7 +5,8 @@
 The model: an ELMoForManyLangs release at their published size (2x4096_512, random weights, written as
 ``bench/manylangs.py`` writes it), the corpus the same Zipfian draw. Each round opens the model twice in int8, once
 as chosen on this CPU (bf16 per-word products where it has bf16 products) and once forced to fp32
-(``word_gates_bf16=False``), and times ``Runtime.embed`` of the corpus on a cold word cache. Prints the CPU, each
+(``word_gates_bf16=False``), and times ``Runtime.embed`` of the corpus after a first pass of 4 of its sentences
+(the weights prepared; their words, the most frequent ones among them, kept in the word cache). Prints the CPU, each
 round's tokens/s and the medians.
 """
 

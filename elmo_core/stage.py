@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import multiprocessing.queues
 import os
 import shutil
 import time
@@ -177,7 +178,8 @@ def _run_in_worker(stage: Stage, plan: Plan, unit: Unit) -> Any:
 
 def run_local(stage: Stage[OptionsT, PlanT, ResultT, SummaryT], options: OptionsT, workers: int = 1) -> SummaryT:
     """Run a stage in this process (``workers`` > 1: its units in that many spawned processes, each with its share of
-    the cores), with a progress bar and ETA: the plan, then the claim (held to the finish) and the plan's lines."""
+    the cores; a plan that names its ``processes``, one GPU each: in those), with a progress bar and ETA: the plan,
+    then the claim (held to the finish) and the plan's lines."""
     started = time.perf_counter()
     plan = stage.plan(options)
     with stage.claim(plan):
@@ -229,7 +231,7 @@ def _processes(plan: Plan, workers: int) -> list[dict[str, str]]:
     return [{} for _ in range(workers)] if workers > 1 else []
 
 
-def _take_environment(environments: Any) -> None:
+def _take_environment(environments: multiprocessing.queues.Queue) -> None:
     """A spawned worker's first act: take one of the environments left (one GPU: before CUDA starts in it)."""
     os.environ.update(environments.get(timeout=60))
 

@@ -105,7 +105,7 @@ def _built_as_trained(
 
 
 class ExportStage(WholeStage):
-    """Export as a stage, one unit: (the step exported, the file it came from)."""
+    """Export as a stage, one unit: ``Exported`` (the step, the file or release it came from, the folder)."""
 
     name = "export"
 

@@ -156,7 +156,8 @@ def choose(
     the reference, as does ``cpu_cells=False``), its steps compiled where ``torch.compile`` runs (``compiled``;
     ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where
     ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs). ``word_gates_bf16``: int8's per-word
-    input product in bf16 (``_word_gates_bf16``)."""
+    input product in bf16 where the CPU has bf16 products (``_word_gates_bf16``; False: fp32, True cannot force it
+    where they would be emulated)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
