@@ -367,6 +367,25 @@ def test_checkpoints_load_with_weights_only(fixture_data, tmp_path):
     assert set(rank) == {"sampler", "batcher", "torch_rng", "cuda_rng", "lstm_state"} and rank["cuda_rng"] is None
 
 
+def test_a_checkpoint_written_before_it_kept_the_architecture_exports_the_same_model(fixture_data, tmp_path):
+    """Checkpoints now keep the biLM's architecture (what a fine-tuned ManyLangs model needs to be rebuilt); one
+    written before, without it, exports from its TrainConfig's architecture as it did: the same weights."""
+    from elmo_core.train.checkpoint import write_checkpoint
+    from elmo_core.train.export import export_checkpoint
+
+    train(TrainConfig(data=str(fixture_data), out=str(tmp_path / "run"), max_steps=2, **FIXTURE_OPTIONS))
+    payload = torch.load(latest_checkpoint(tmp_path / "run"), weights_only=True)
+    assert payload["architecture"] and payload["dictionaries"] is None  # a bilm-tf model has no dictionaries
+    older = {k: v for k, v in payload.items() if k not in ("architecture", "dictionaries")}
+    write_checkpoint(tmp_path / "older", payload["step"], older, keep=1)
+    now = export_checkpoint(tmp_path / "run", tmp_path / "now")
+    before = export_checkpoint(tmp_path / "older", tmp_path / "before")
+    assert now.step == before.step == payload["step"]
+    assert "(options.json, vocab.txt, weights.hdf5)" in before.line()
+    for name, weight in _weights(tmp_path / "now").items():
+        assert torch.equal(weight, _weights(tmp_path / "before")[name]), name
+
+
 def test_a_checkpoint_of_parallel_per_rank_lists_reads_as_one_record_per_rank(fixture_data, tmp_path):
     """Files written before one record per rank (lists by rank) still resume: the same records come out, and a CUDA
     state list that does not line up with the ranks (some ranks on the CPU) is dropped, not misassigned."""
