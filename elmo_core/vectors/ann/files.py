@@ -147,6 +147,7 @@ class Coverage:
 # type) often compresses far better (0.17 of raw there; 0.33 for 3,000 Zipf-drawn types of width 1024), but how much
 # depends on the text, so it is counted as a contextual layer: the estimate errs high for ``layers: all``.
 VECTOR_FACTOR = 0.93
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2}  # a stored value's bytes, by the dtype's name
 ROW_BYTES = {"none": 8, "mean": 64}  # the other columns of a token row, of a sentence row (pool: mean)
 PART_FOOTER_BYTES = 6_000
 
@@ -155,7 +156,7 @@ def table_bytes(rows: int, n_layers: int, width: int, dtype: str, layers: str, p
     """About the bytes of an embedding table of ``rows`` rows (tokens; sentences with ``pool: mean``) of vectors of
     ``width`` in ``dtype`` (float32, float16): one column with ``layers: mix``, ``n_layers`` with ``layers: all``, in
     ``parts`` part files. Pure arithmetic on the measured factors above."""
-    itemsize = {"float32": 4, "float16": 2}[dtype]
+    itemsize = DTYPE_BYTES[dtype]
     columns = n_layers if layers == "all" else 1
     per_row = columns * width * itemsize * VECTOR_FACTOR + ROW_BYTES[pool]
     return int(rows * per_row + parts * PART_FOOTER_BYTES)
@@ -185,7 +186,7 @@ def index_bytes(
     """About the bytes of ``shards`` shards of ``rows`` rows in all, of vectors of ``dim`` in ``dtype``, with
     ``meta_row`` bytes of metadata a row (sampled) and keys of ``key_length`` bytes; ``train``: the quantizer's
     file too. Pure arithmetic on the measurements above."""
-    itemsize = {"float64": 8, "float32": 4, "float16": 2}[dtype]
+    itemsize = DTYPE_BYTES[dtype]
     per_row = dim * (itemsize + CODE_BYTES) + ROW_ID_BYTES + ORDER_BYTES + meta_row + key_length + KEY_RANGE_BYTES
     quantizer = nlist * dim * 4
     per_shard = quantizer + nlist * LIST_BYTES + FILE_SLACK
