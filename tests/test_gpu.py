@@ -288,3 +288,25 @@ def test_a_server_on_cuda_answers_what_the_runtime_gives(no_tf32, tmp_path, alle
     for item, want in zip(answer["data"], expected, strict=True):
         got = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4").reshape(item["shape"])
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_manylangs_release_on_cuda_gives_their_numbers(no_tf32, tmp_path, monkeypatch):
+    """An ELMoForManyLangs folder (their dictionaries, word embedding and layer 0) runs on CUDA in fp32 within 1e-5
+    of their network written out from the description, and in bf16 by cosine, as on the CPU."""
+    from elmo_core.runtime import Runtime
+    from tests.test_manylangs import SENTENCES as THEIRS
+    from tests.test_manylangs import SMALL, WORDS, reference_layers, write_release
+
+    monkeypatch.setenv("ELMO_CACHE_DIR", str(tmp_path / "cache"))
+    release = write_release(tmp_path / "zhs.model", SMALL, WORDS)
+    with torch.no_grad():
+        expected = [reference_layers(release, s) for s in THEIRS]
+    for precision, close in (("fp32", None), ("bf16", 0.99)):
+        runtime = Runtime.open(str(release), device="cuda", precision=precision)
+        assert "on cuda" in runtime.line(), runtime.line()
+        for got, want in zip(runtime.embed(THEIRS), expected, strict=True):
+            if close is None:
+                np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+            else:
+                cosine = (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))
+                assert cosine.min() > close, precision
