@@ -62,6 +62,24 @@ def test_stateless_output_does_not_depend_on_the_batch(model):
     assert all(np.array_equal(x, y) for x, y in zip(together, again))
 
 
+def test_each_pass_is_given_only_the_words_it_reads(model, monkeypatch):
+    """A chunk's token table holds the words of several passes, and layer 0's input product runs over every row a
+    pass is given: each pass gets its own words alone (and the padding row), with the same vectors as one at a time."""
+    sentences = [[f"w{i}", f"w{i + 1}", "."] for i in range(0, 60, 2)] + [[f"v{i}"] * 7 for i in range(12)]
+    alone = [model.embed_sentences([s])[0] for s in sentences]
+    given, token_rows = [], model.token_rows
+
+    def recording(ids, state=None, token_table=None):
+        given.append((token_table.shape[0], int(torch.unique(ids[ids > 0]).numel())))
+        return token_rows(ids, state=state, token_table=token_table)
+
+    monkeypatch.setattr(model, "token_rows", recording)
+    together = model.embed_sentences(sentences, max_batch_tokens=40)
+    assert len(given) > 3 and all(rows == words + 1 for rows, words in given), given
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def _stateful(model, carry: StateCarry, batch):
     """One call of bilm-tf's stateful protocol: the carried state in, the new state kept."""
     out = model(batch_to_ids(batch), state=carry.take(len(batch)))
