@@ -192,6 +192,11 @@ def free_bytes(folder: str | Path) -> int:
     return shutil.disk_usage(_existing(folder)).free
 
 
+def space_line(folder: str | Path, needed_bytes: int) -> str:
+    """What a plan prints of an output's size beside the room for it: ``about 1.2 GB to write, 40.0 GB free``."""
+    return f"about {format_bytes(needed_bytes)} to write, {format_bytes(free_bytes(folder))} free"
+
+
 def require_space(
     folder: str | Path, needed_bytes: int, what: str = "", advice: str = "free some space, or write elsewhere"
 ) -> None:

@@ -45,7 +45,7 @@ import torch
 from elmo_core.bilm.inference import StateCarry
 from elmo_core.config import read_options
 from elmo_core.errors import InputError, OutputError
-from elmo_core.fileio import atomic_path, format_bytes, free_bytes, require_space, write_text_atomic
+from elmo_core.fileio import atomic_path, require_space, space_line, write_text_atomic
 from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
 from elmo_core.runtime import ModelRef, Output, Placement, Runtime, gpu_processes, place, resolve_model
@@ -110,7 +110,7 @@ class Job:
 
     def lines(self) -> list[str]:
         done = sum((self.target / u.name).exists() for u in self.units)
-        space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.out))} free"
+        space = space_line(self.out, self.bytes_to_write())
         return [
             self.model.line(),
             f"on {self.placement.line()}{self._spread()}",

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from elmo_core import cpu
 from elmo_core.errors import InputError
-from elmo_core.fileio import FolderLock, atomic_path, format_bytes, free_bytes, require_space, write_text_atomic
+from elmo_core.fileio import FolderLock, atomic_path, require_space, space_line, write_text_atomic
 from elmo_core.options import IndexConfig
 from elmo_core.stage import run_local
 from elmo_core.vectors.ann.files import (
@@ -85,7 +85,7 @@ class BuildPlan:
     def lines(self) -> list[str]:
         start = "a new index (the quantizer trained anew)" if self.fresh else f"{len(self.kept)} shards kept"
         dropped = f", {len(self.dropped)} stale shards dropped" if self.dropped else ""
-        space = f"about {format_bytes(self.bytes_to_write())} to write, {format_bytes(free_bytes(self.folder))} free"
+        space = space_line(self.folder, self.bytes_to_write())
         todo = f"{len(self.todo)} shards to build ({self.rows_todo:,} rows)"
         return [f"{start}{dropped}; {todo}; {space} -> {self.folder}"]
 
