@@ -366,7 +366,7 @@ class Embedder:
                 "text": group.column("text").take(rows),
             }
             n_rows = int(counts.sum())
-        values = vectors.cpu().numpy().astype(self.output.numpy_dtype())
+        values = vectors.cpu().numpy().astype(self.output.numpy_dtype(), copy=False)  # float32: no second copy
         for name, layer in zip(self.names, values):
             data[name] = pa.FixedSizeListArray.from_arrays(pa.array(layer.reshape(-1)), width)
         data["model_id"] = pa.repeat(pa.scalar(self.model_id, pa.string()), n_rows)
