@@ -110,7 +110,8 @@ def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, a
     again = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
     assert again.units_done_before == again.units and again.tokens == 0
     assert files == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
-    assert json.loads((tmp_path / "out" / "_manifest.json").read_text())["rows"] == first.rows
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["rows"] == first.rows and {u["device"] for u in manifest["units"]} == {"cpu"}
     with pytest.raises(ConfigError, match="holds embeddings of another job"):
         embed(
             EmbedConfig(

@@ -1,5 +1,6 @@
 """CUDA paths (run with ``pytest -m gpu`` on a machine with a GPU; deselected by default)."""
 
+import json
 import os
 
 import numpy as np
@@ -89,7 +90,6 @@ def test_training_on_cuda_picks_bf16_prefetches_to_the_gpu_and_resumes_exactly(t
 
 def test_two_gpu_ranks_train_with_nccl_to_identical_weights(tmp_path, bilm_tf_dir):
     """nproc_per_node 2 on a machine with two GPUs: NCCL, one rank per GPU, identical replicas at the end."""
-    import json
     import subprocess
     import sys
 
@@ -227,6 +227,8 @@ def test_an_embedding_job_on_cuda_writes_the_cpu_s_table(tmp_path, allennlp_dir)
     on_cpu, _ = _embed_table(tmp_path, allennlp_dir, "cpu")
     on_gpu, log = _embed_table(tmp_path, allennlp_dir, "cuda")
     assert "on cuda" in log and "a layer at a time" in log
+    units = json.loads((tmp_path / "emb-cuda" / "_manifest.json").read_text())["units"]
+    assert all(u["device"] == f"cuda {torch.cuda.get_device_properties(0).uuid}" for u in units), units
     assert list(on_gpu["token"]) == list(on_cpu["token"])
     for column in [c for c in on_cpu.columns if c.startswith("layer_")]:
         np.testing.assert_allclose(np.stack(on_gpu[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)
@@ -234,7 +236,6 @@ def test_an_embedding_job_on_cuda_writes_the_cpu_s_table(tmp_path, allennlp_dir)
 
 def test_an_embedding_job_takes_every_gpu_one_process_each(tmp_path, allennlp_dir):
     """Several GPUs: one process per GPU over the units (``gpu_processes``), the same table as the CPU's."""
-    import json
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
@@ -243,6 +244,8 @@ def test_an_embedding_job_takes_every_gpu_one_process_each(tmp_path, allennlp_di
     assert "one process per GPU (0, 1" in log
     units = json.loads((tmp_path / "emb-cuda" / "_manifest.json").read_text())["units"]
     assert len({u["pid"] for u in units}) >= 2
+    gpu_of = {u["pid"]: u["device"] for u in units}  # each process on a GPU of its own, named by its UUID
+    assert len(set(gpu_of.values())) == len(gpu_of) and all(d.startswith("cuda ") for d in gpu_of.values()), units
     assert list(on_gpus["token"]) == list(on_cpu["token"])
     for column in [c for c in on_cpu.columns if c.startswith("layer_")]:
         np.testing.assert_allclose(np.stack(on_gpus[column]), np.stack(on_cpu[column]), atol=1e-5, rtol=0)

@@ -79,6 +79,7 @@ class UnitResult:
     skipped: bool = False
     pid: int = 0  # the process that ran it, and its torch threads (how a job's work was spread)
     threads: int = 0
+    device: str = ""  # what ran it: "cpu", or "cuda" and the GPU's UUID (``device_of``)
 
 
 @dataclass
@@ -282,6 +283,14 @@ def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
 # ----- the work ------------------------------------------------------------------------------------------
 
 
+def device_of(device: torch.device) -> str:
+    """What a unit ran on, for the manifest: ``cpu``, or ``cuda`` and the GPU's UUID, which names the same GPU in
+    every process whatever ``CUDA_VISIBLE_DEVICES`` numbers it as, so the manifest shows how units spread over GPUs."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda {torch.cuda.get_device_properties(device).uuid}"
+
+
 class Embedder:
     """Writes units with the job's model, opened once in this process by the runtime. Create one per worker."""
 
@@ -297,12 +306,13 @@ class Embedder:
         self.factors = self.output.factors(n) if config.layers == "mix" else None
         self.schema = output_schema(n, self.runtime.output_dim, config)
         self.names = self.output.columns(n)
+        self.device = device_of(self.runtime.bilm.device)
 
     def embed_unit(self, unit: Unit, out: Path) -> UnitResult:
         target = out / unit.name
         if target.exists():
             rows = pq.ParquetFile(target).metadata.num_rows
-            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), torch.get_num_threads())
+            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), torch.get_num_threads(), self.device)
         started = time.perf_counter()
         group = pq.ParquetFile(unit.shard).read_row_group(
             unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"]
@@ -327,9 +337,8 @@ class Embedder:
                     write(table)
                     rows += table.num_rows
         seconds = time.perf_counter() - started
-        return UnitResult(
-            unit.name, rows, sum(len(s) for s in sentences), seconds, False, os.getpid(), torch.get_num_threads()
-        )
+        tokens = sum(len(s) for s in sentences)
+        return UnitResult(unit.name, rows, tokens, seconds, False, os.getpid(), torch.get_num_threads(), self.device)
 
     def _tables(self, group: pa.Table, sentences: list[list[str]]) -> Iterator[pa.Table]:
         """The unit's sentences through the runtime (length-sorted passes under its token budget, or in order when
