@@ -107,11 +107,13 @@ def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, a
     first = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
     assert first.rows == sum(len(s.split()) for s in SENTENCES) + 8  # text input keeps duplicate lines
     files = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
+    units = json.loads((tmp_path / "out" / "_manifest.json").read_text())["units"]
+    assert {u["device"] for u in units} == {"cpu"}  # what wrote each unit
     again = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
     assert again.units_done_before == again.units and again.tokens == 0
     assert files == {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("part-*.parquet")}
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
-    assert manifest["rows"] == first.rows and {u["device"] for u in manifest["units"]} == {"cpu"}
+    assert manifest["rows"] == first.rows and {u["device"] for u in manifest["units"]} == {""}  # none written again
     with pytest.raises(ConfigError, match="holds embeddings of another job"):
         embed(
             EmbedConfig(

@@ -79,7 +79,7 @@ class UnitResult:
     skipped: bool = False
     pid: int = 0  # the process that ran it, and its torch threads (how a job's work was spread)
     threads: int = 0
-    device: str = ""  # what ran it: "cpu", or "cuda" and the GPU's UUID (``device_of``)
+    device: str = ""  # what wrote it: "cpu", or "cuda" and the GPU's UUID (``device_of``); "" where skipped
 
 
 @dataclass
@@ -312,7 +312,7 @@ class Embedder:
         target = out / unit.name
         if target.exists():
             rows = pq.ParquetFile(target).metadata.num_rows
-            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), torch.get_num_threads(), self.device)
+            return UnitResult(unit.name, rows, 0, 0.0, True, os.getpid(), torch.get_num_threads())  # not written here
         started = time.perf_counter()
         group = pq.ParquetFile(unit.shard).read_row_group(
             unit.row_group, columns=["doc_id", "sentence_id", "tokens", "text", "split"]
