@@ -27,7 +27,7 @@ if [[ "${1:-}" == "wheels" ]]; then  # the versions this project's .venv runs, b
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
         pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 \
         pydantic-extra-types==2.11.1 duckdb==2.0.1 fastapi==0.150.0 starlette==1.10.0 uvicorn==0.55.0 \
-        httptools==0.9.0 orjson==3.13.0 opentelemetry-api==1.45.2 importlib_metadata==9.1.0  # 28 MB: the tree (4 MB) and these fit the 64 MiB that travels
+        httptools==0.9.0 orjson==3.13.0 opentelemetry-api==1.45.2  # 28 MB: the tree (4 MB) and these fit the 64 MiB that travels
 fi
 
 PY=python3

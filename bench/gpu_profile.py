@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from elmo_core import BiLM
 from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.config import preset
+from elmo_core.runtime.engine import token_budget
 
 
 def main() -> None:
@@ -43,18 +44,24 @@ def main() -> None:
         fresh.save_pretrained(str(Path(tmp) / "m"))
         bilm = BiLM.from_pretrained(str(Path(tmp) / "m"), device=args.device)
     print(f"kernels: {bilm.prepare(args.precision)}")
-    for _ in range(2):  # warm: compiles, captures, fills the word cache as a long job has it
-        bilm.embed_sentences(sentences, precision=args.precision)
+    budget, why = token_budget(bilm.device, bilm.config)  # as bench/embed_throughput.py's figures ran
+    print(f"{budget:,} padded tokens a pass ({why})")
+
+    def call() -> None:
+        bilm.embed_sentences(sentences, precision=args.precision, max_batch_tokens=budget)
+
+    for _ in range(2):  # warm: compiles, captures
+        call()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     start = time.perf_counter()
-    bilm.embed_sentences(sentences, precision=args.precision)
+    call()
     sync()
     plain = time.perf_counter() - start
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        bilm.embed_sentences(sentences, precision=args.precision)
+        call()
         sync()
         profiled = time.perf_counter() - start
     events = prof.key_averages()
