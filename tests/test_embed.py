@@ -354,3 +354,20 @@ def test_a_write_beside_the_model_keeps_the_order_and_its_failure_fails_the_unit
             write(0)
             write(1)
             raise RuntimeError("the pass failed")
+
+
+def test_the_plan_of_text_not_yet_tokenized_says_its_gpu_processes(tmp_path, allennlp_dir, monkeypatch):
+    """``elmo embed --plan`` before the text is tokenized says, as the plan of a tokenized input does, that a machine
+    of several GPUs runs one process per GPU (this CPU is shown two, as ``gpu_processes`` would find them)."""
+    from elmo_core.vectors import embed as embed_module
+
+    (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    config = EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out"))
+    assert not any("one process per GPU" in line for line in embed_module.plan_lines(config))
+    two = [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    monkeypatch.setattr(embed_module, "gpu_processes", lambda device: two)
+    said = embed_module.plan_lines(config)
+    assert any(
+        "one process per GPU (0, 1), each taking units as it finishes one, where the text" in line for line in said
+    )
+    assert not (tmp_path / "out").exists()

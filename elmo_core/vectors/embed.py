@@ -120,12 +120,7 @@ class Job:
         ]
 
     def _spread(self) -> str:
-        """Where the units run beside the placement, where the plan decided more than the placement says."""
-        spread = ""
-        if self.processes:
-            gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in self.processes)
-            spread += f"; one process per GPU ({gpus}), each taking units as it finishes one"
-        return spread + ("; tables written by a thread beside the model" if self.writes_beside else "")
+        return spread_line(self.processes, self.writes_beside)
 
     @property
     def replaces(self) -> bool:
@@ -255,12 +250,29 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
     }
     target = _target(out, work, identity, config.overwrite)
     processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []
-    beside = placement.torch_device.type == "cuda"  # a CPU's cores are the model's: a writer thread would take one
+    beside = writes_beside(placement)
     job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
     require_space(
         out, job.bytes_to_write(), "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
     )
     return job
+
+
+def writes_beside(placement: Placement) -> bool:
+    """Whether a thread beside the model writes the tables: on a GPU, so that it never waits on the disk; a CPU's
+    cores are the model's, and a writer thread would take one."""
+    return placement.torch_device.type == "cuda"
+
+
+def spread_line(processes: list[dict[str, str]], beside: bool, units_known: bool = True) -> str:
+    """Where the units run beside the placement, where the plan decided more than the placement says (before the
+    text is cut into units, the processes it would take for more than one)."""
+    spread = ""
+    if processes:
+        gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in processes)
+        spread += f"; one process per GPU ({gpus}), each taking units as it finishes one"
+        spread += "" if units_known else ", where the text makes more than one unit"
+    return spread + ("; tables written by a thread beside the model" if beside else "")
 
 
 def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
@@ -536,7 +548,8 @@ def plan_lines(config: EmbedConfig) -> list[str]:
     for stage, options in stages(config):
         if isinstance(stage, EmbedStage) and needs_tokenizing(config):
             placement, model, _ = _model_and_options(config)
-            lines += ["embed: units are cut once the text is tokenized", model.line(), f"on {placement.line()}"]
+            spread = spread_line(gpu_processes(placement.device), writes_beside(placement), units_known=False)
+            lines += ["embed: units are cut once the text is tokenized", model.line(), f"on {placement.line()}{spread}"]
         elif isinstance(stage, IndexStage) and not Path(config.out).is_dir():
             lines.append("index: built once the table is written")
         else:
