@@ -205,7 +205,8 @@ def main() -> None:
         code = "import sys; from elmo_core.runtime import Runtime; Runtime.open(sys.argv[1]).embed([['a', 'b']])"
         subprocess.run([sys.executable, "-c", code, str(release)], cwd=ROOT, env=env, check=True)
 
-        theirs = their_tokens_per_s(release, sentences[: args.their_sentences or len(sentences)], threads)
+        their_sentences = sentences[: args.their_sentences or len(sentences)]
+        theirs = their_tokens_per_s(release, their_sentences, threads)
         ours, ours_command = our_tokens_per_s(release, text, tmp / "table-release", args.precision, env)
         bilm_tf, bilm_tf_command = our_tokens_per_s(twin, text, tmp / "table-bilm-tf", args.precision, env)
     peak = matmul_peak(args.precision)
@@ -220,7 +221,7 @@ def main() -> None:
         "words": args.words,
         "chars": args.chars,
         "tokens": sum(map(len, sentences)),
-        "their_tokens": sum(map(len, sentences[: args.their_sentences or len(sentences)])),
+        "their_tokens": sum(map(len, their_sentences)),
         "their_embedder_tokens_per_s": round(theirs, 1),
         "ours_tokens_per_s": round(ours, 1),
         "bilm_tf_same_size_tokens_per_s": round(bilm_tf, 1),
