@@ -4,6 +4,7 @@ folder left once the same command is run again with space; and that rerun's outp
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -58,16 +59,26 @@ def tmpfs(folder: Path, size_kb: int) -> Iterator[Path]:
 
 
 def fill(folder: Path, leave: int) -> Path:
-    """Another process's file: takes all the free space of ``folder``'s filesystem but ``leave`` bytes."""
+    """Another process's file: takes all the free space of ``folder``'s filesystem but ``leave`` bytes.
+
+    The job under test may be writing while this runs, so the free space read can shrink before the allocation:
+    then it reads again and tries again, as a second writer racing the first would."""
     filler = folder / "filler"
-    size = free_bytes(folder) - leave
-    assert size > 0, f"{folder} has less than {leave} bytes free already"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        os.posix_fallocate(fd, 0, size)
+        for _ in range(100):
+            size = free_bytes(folder) - leave
+            assert size > 0, f"{folder} has less than {leave} bytes free already"
+            try:
+                os.posix_fallocate(fd, 0, size)
+                return filler
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                os.ftruncate(fd, 0)
+        raise AssertionError(f"{folder}: the free space kept shrinking under the filler")
     finally:
         os.close(fd)
-    return filler
 
 
 def limit_entries(folder: Path, spare: int | None) -> None:
