@@ -3,7 +3,7 @@ same size, in one run on one machine (issue 56's targets: at least 10x their tok
 of the bilm-tf model).
 
     .venv/bin/python bench/manylangs.py [--sentences 512] [--words 50000] [--chars 6000] [--precision fp32]
-                                        [--threads N] [--tiny] [--out bench_manylangs.json]
+                                        [--threads N] [--tiny] [--heap-baseline] [--out bench_manylangs.json]
 
 Three models with random weights, written as their files are (``tests/test_manylangs.write_release``: the format
 description, not their code): a ManyLangs-shaped release at their published sizes (2x4096_512 biLM, 2048 filters,
@@ -22,7 +22,8 @@ tokens/s would ask of the machine: the LSTMs' products per token (the arithmetic
 ``lstm_floor_flops``) at that rate, against a square matmul's GFLOP/s in the same precision measured in the same
 run (``matmul_peak``); and a JSON line. Use a
 corpus long enough (the default 512 sentences, ~12,800 tokens) on a machine nothing else runs on.
-``--tiny``: a small shape (seconds), to check the bench itself runs.
+``--tiny``: a small shape (seconds), to check the bench itself runs. ``--heap-baseline``: ours on the release once
+more, timed last, with glibc's heap defaults (``ELMO_HEAP=system``), against ours as it runs (``elmo_core/heap.py``).
 """
 
 from __future__ import annotations
@@ -184,6 +185,12 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for all three (default: torch's)")
     parser.add_argument("--tiny", action="store_true", help="a small shape, to check the bench runs")
+    parser.add_argument(
+        "--heap-baseline",
+        action="store_true",
+        help="also elmo embed on the release with glibc's heap defaults (ELMO_HEAP=system), the baseline of "
+        "elmo_core/heap.py's reuse of large buffers",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     args = parser.parse_args()
     if args.tiny:
@@ -209,6 +216,10 @@ def main() -> None:
         theirs = their_tokens_per_s(release, their_sentences, threads)
         ours, ours_command = our_tokens_per_s(release, text, tmp / "table-release", args.precision, env)
         bilm_tf, bilm_tf_command = our_tokens_per_s(twin, text, tmp / "table-bilm-tf", args.precision, env)
+        system_heap = None
+        if args.heap_baseline:
+            system_env = {**env, "ELMO_HEAP": "system"}
+            system_heap, _ = our_tokens_per_s(release, text, tmp / "table-system-heap", args.precision, system_env)
     peak = matmul_peak(args.precision)
     floor = lstm_floor_flops(network, sentences)
     needed = 10 * theirs * floor / 1e9  # GFLOP/s of the LSTMs' products alone at 10x their tokens/s
@@ -233,6 +244,7 @@ def main() -> None:
         "lstm_floor_mflop_per_token": round(floor / 1e6, 1),
         "ours_lstm_gflops": round(ours * floor / 1e9, 1),
         "ten_x_theirs_needs_gflops": round(needed, 1),
+        "ours_with_system_heap_tokens_per_s": round(system_heap, 1) if system_heap else None,
     }
     print(result["cpu"])
     print(
@@ -247,6 +259,12 @@ def main() -> None:
         f"{needed:,.1f} GFLOP/s for them alone: {needed / peak:.2f}x the {args.precision} peak measured "
         f"just now ({peak:,.1f} GFLOP/s, one square product of 2,048)"
     )
+    if system_heap:
+        print(
+            f"elmo embed on the release with glibc's heap defaults (ELMO_HEAP=system): {system_heap:,.0f} tokens/s "
+            f"({system_heap / theirs:.1f}x theirs); with its large buffers reused: {ours:,.0f} "
+            f"({ours / system_heap:.2f}x)"
+        )
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,12 +6,13 @@
 
 Opening it resolves the model reference (``reference``: folders, published files, MLflow URIs through one download
 cache), the device and precision (``placement.place``, or a plan's ``Placement`` as it is), this process's
-threads (``placement.take_threads``), and the kernels (``BiLM.prepare``, chosen once). It keeps what a process
-reuses: the loaded weights and the layer-0 word cache. ``run`` packs sentences into forward passes under its
-token budget (``token_budget``: the CPU's 8,192 padded tokens, more on a GPU by its memory; printed on the line;
-``inference.plan_batches``) and yields each batch's layers; ``embed`` shapes them as an ``Output``
-asks. The embedding stage, each server model process, the probes, evaluation, the MLflow pyfunc model and the
-AllenNLP drop-in all run a model through this class, so a sentence's vectors are the same whichever asked.
+threads (``placement.take_threads``) and heap (``heap.keep_large_buffers``), and the kernels (``BiLM.prepare``,
+chosen once). It keeps what a process reuses: the loaded weights and the layer-0 word cache. ``run`` packs
+sentences into forward passes under its token budget (``token_budget``: the CPU's 8,192 padded tokens, more on a
+GPU by its memory; printed on the line; ``inference.plan_batches``) and yields each batch's layers; ``embed``
+shapes them as an ``Output`` asks. The embedding stage, each server model process, the probes, evaluation, the
+MLflow pyfunc model and the AllenNLP drop-in all run a model through this class, so a sentence's vectors are the
+same whichever asked.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core import cpu
+from elmo_core import cpu, heap
 from elmo_core.bilm.inference import (
     MAX_BATCH_TOKENS,
     WORD_CACHE_BYTES,
@@ -110,6 +111,7 @@ class Runtime:
         ref = model if isinstance(model, ModelRef) else resolve_model(model, weight_file)
         placement = placement if placement is not None else place(device, precision)
         taken = take_threads(threads)
+        heap.keep_large_buffers()  # a pass's buffers reused, not page-faulted in again each time
         bilm = BiLM.from_pretrained(
             str(ref.options),
             str(ref.weights),
