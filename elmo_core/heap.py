@@ -4,13 +4,13 @@ Why: a forward pass allocates many buffers of megabytes to tens of megabytes (ea
 floats; layer 0's per-word gates; the char CNN's activations; the answers on their way to Arrow) and frees them
 within the pass. glibc's malloc serves every request above its mmap threshold (128 KiB at first, rising to at most
 32 MiB as such buffers are freed) with fresh pages from the kernel, and unmaps them on free, so the next pass
-page-faults and zeroes every page again. The ManyLangs batch job (``bench/manylangs.py --heap-baseline``, int8)
-spent 7-8 s of its 45 s in the kernel that way, and runs 1.13x as fast without (``docs/benchmarks.md``).
+page-faults and zeroes every page again. The ManyLangs batch job in int8 spent 7-8 s of its 45-50 s in the kernel
+that way, and runs 1.13-1.17x as fast without (``bench/manylangs.py --heap-baseline``, ``docs/benchmarks.md``).
 
 ``keep_large_buffers`` raises both thresholds (mmap and trim) to ``THRESHOLD``: such buffers then come from the
 heap, and a freed one is reused in place by the next of its size. In a process that uses Arrow (it was imported: the
 embedding stage writes its tables with it), Arrow's buffers move to the same heap too (its default pool, mimalloc,
-gives freed pages back to the kernel as well; about 3% of those 1.13x). The cost is
+gives freed pages back to the kernel as well; about 3% of that gain, in one A/B of the two pools). The cost is
 that memory a process freed stays with it, up to its peak (an embedding job's or a server's working set, which it
 needs again on the next pass).
 
