@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     "errors",
     "cpu",
+    "heap",  # this process's C heap: large buffers reused
     "fileio",
     "progress",
     "precision",
