@@ -10,9 +10,9 @@ that way, and runs 1.13-1.17x as fast without (``bench/manylangs.py --heap-basel
 ``keep_large_buffers`` raises both thresholds (mmap and trim) to ``THRESHOLD``: such buffers then come from the
 heap, and a freed one is reused in place by the next of its size. In a process that uses Arrow (it was imported: the
 embedding stage writes its tables with it), Arrow's buffers move to the same heap too (its default pool, mimalloc,
-gives freed pages back to the kernel as well; about 3% of that gain, in one A/B of the two pools). The cost is
-that memory a process freed stays with it, up to its peak (an embedding job's or a server's working set, which it
-needs again on the next pass).
+gives freed pages back to the kernel as well; ``--heap-baseline`` turns both off). The cost is that memory a process
+freed stays with it, up to its peak (an embedding job's or a server's working set, which it needs again on the next
+pass).
 
 PyTorch's CPU tuning guide swaps the allocator instead (jemalloc or tcmalloc through ``LD_PRELOAD``); that needs a
 library installed and set before the process starts, so we turn glibc's own switch (``mallopt``), which needs

@@ -114,13 +114,10 @@ class Job:
         space = space_line(self.out, self.bytes_to_write())
         return [
             self.model.line(),
-            f"on {self.placement.line()}{self._spread()}",
+            f"on {self.placement.line()}{spread_line(self.processes, self.writes_beside)}",
             f"{len(self.units)} units ({done} already done), {sum(u.tokens for u in self.units):,} tokens; {space}",
             f"writes {self.target}" + (f", then swaps it in for {self.out}" if self.replaces else ""),
         ]
-
-    def _spread(self) -> str:
-        return spread_line(self.processes, self.writes_beside)
 
     @property
     def replaces(self) -> bool:
