@@ -3,7 +3,7 @@ matmuls with float32 state.
 
 ``bf16`` runs the char CNN, highway, projection, the LSTM input and recurrent matmuls (and the softmax where
 used) in bfloat16 under ``torch.autocast``; accumulation happens in float32 inside the kernels, and the LSTM
-cell state, the gate arithmetic and the loss stay float32 (``model.LstmCell`` casts the gates up).
+cell state, the gate arithmetic and the loss stay float32 (``lstm.LstmCell`` casts the gates up).
 
 On a CPU without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake, Arm without bf16) oneDNN emulates
 bf16, and a run is not slower but unusable: the small shape embedded at 25 tokens/s against 1,600 in fp32 on an

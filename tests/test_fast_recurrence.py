@@ -12,7 +12,7 @@ import torch
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.bilm.kernels import choice, layer_steps
 from elmo_core.bilm.kernels.cache import WeightCache
-from elmo_core.bilm.model import LstmCell, _recurrence
+from elmo_core.bilm.lstm import LstmCell, _recurrence
 from elmo_core.precision import cpu_has_native_bf16
 from tests.helpers import needs_native_bf16, random_tiny_model
 from tests.test_model_fixtures import ATOL, _max_protocol_error
@@ -74,7 +74,7 @@ def test_row_buckets_pad_at_most_a_third_and_chunks_cover_every_step_once():
 
 
 def test_a_layer_at_once_is_the_reference_recurrence_with_state_in_and_out():
-    """One layer's cell against ``model._recurrence`` over ``LstmCell``: 13 rows (bucket 16: three padded), 23 steps
+    """One layer's cell against ``lstm._recurrence`` over ``LstmCell``: 13 rows (bucket 16: three padded), 23 steps
     (chunks 16, 4, 2, 1), rows ending at every few steps, a nonzero starting state."""
     lstm = _random_model().lstm
     pair = (lstm.forward_layers[1], lstm.backward_layers[1])
@@ -92,7 +92,7 @@ def test_a_layer_at_once_is_the_reference_recurrence_with_state_in_and_out():
     assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
-    one_step = cell.step(next(cell.steps(x, sizes)), h0, c0)  # ``model.Cell.step``: the first step alone
+    one_step = cell.step(next(cell.steps(x, sizes)), h0, c0)  # ``lstm.Cell.step``: the first step alone
     torch.testing.assert_close(one_step[0], want[0][:, :13], atol=2e-6, rtol=0)
 
 

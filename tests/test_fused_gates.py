@@ -16,7 +16,7 @@ SENTENCES = [["I", "ate", "an", "apple", "."], ["Hi"], ["The", "quick", "brown",
 
 
 def _reference(z: torch.Tensor, c: torch.Tensor, clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """model.LstmCell.gates: TensorFlow's LSTMCell with the cell clipped."""
+    """lstm.LstmCell.gates: TensorFlow's LSTMCell with the cell clipped."""
     h = z.shape[-1] // 4
     sig = torch.sigmoid(z)
     c = sig[..., h : 2 * h] * c + sig[..., :h] * torch.tanh(z[..., 2 * h : 3 * h])

@@ -42,7 +42,7 @@ ROOMS = {
     "ingest": ["inputs", "readers", "shards", "manifest", "run", "__init__"],
     "data": ["vocab", "batches", "prefetch", "__init__"],
     "bilm": [
-        *("weights", "manylangs", "inference", "lstm_math", "kernels", "packing", "model", "scalar_mix"),
+        *("weights", "manylangs", "inference", "lstm_math", "kernels", "packing", "lstm", "model", "scalar_mix"),
         *("initialization", "softmax", "fine_tune", "__init__"),
     ],
     "bilm.kernels": [

@@ -62,22 +62,57 @@ def test_stateless_output_does_not_depend_on_the_batch(model):
     assert all(np.array_equal(x, y) for x, y in zip(together, again))
 
 
-def test_each_pass_is_given_only_the_words_it_reads(model, monkeypatch):
-    """A chunk's token table holds the words of several passes, and layer 0's input product runs over every row a
-    pass is given: each pass gets its own words alone (and the padding row), with the same vectors as one at a time."""
-    sentences = [[f"w{i}", f"w{i + 1}", "."] for i in range(0, 60, 2)] + [[f"v{i}"] * 7 for i in range(12)]
+def test_a_chunk_computes_each_words_input_gates_once(model, monkeypatch):
+    """A chunk's passes each get the chunk's shared words (those more than one of them reads) first, the same rows in
+    the same order, then their own words alone: layer 0's input product, which runs over every row of a pass's table
+    that it did not keep, then covers each word of the chunk once. Same vectors as one sentence at a time."""
+    sentences = [[f"w{i}", f"w{i + 1}", "the", "."] for i in range(0, 60, 2)] + [
+        [f"v{i}", "the"] * 4 for i in range(12)
+    ]
     alone = [model.embed_sentences([s])[0] for s in sentences]
     given, token_rows = [], model.token_rows
 
-    def recording(ids, state=None, token_table=None):
-        given.append((token_table.shape[0], int(torch.unique(ids[ids > 0]).numel())))
-        return token_rows(ids, state=state, token_table=token_table)
+    def recording(ids, state=None, token_table=None, shared=None):
+        given.append((ids, token_table, shared))
+        return token_rows(ids, state=state, token_table=token_table, shared=shared)
 
     monkeypatch.setattr(model, "token_rows", recording)
     together = model.embed_sentences(sentences, max_batch_tokens=40)
-    assert len(given) > 3 and all(rows == words + 1 for rows, words in given), given
+    assert len(given) > 3
+    shared = given[0][2]
+    assert shared is not None and all(s is shared for _, _, s in given)  # one chunk: these sentences are few
+    assert shared.count == 3  # the padding row, then "." and "the", which every pass reads
+    for ids, table, _ in given:
+        assert torch.equal(table[: shared.count], given[0][1][: shared.count])
+        own = torch.unique(ids[ids >= shared.count])
+        assert own.tolist() == list(range(shared.count, len(table)))  # every other row is the pass's own and read
+    computed = shared.count + sum(len(table) - shared.count for _, table, _ in given)
+    assert computed == 1 + len({w for s in sentences for w in s})
     for a, b in zip(alone, together, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_shared_rows_input_gates_are_kept_from_the_chunks_first_pass(model):
+    """The second pass of a chunk does not recompute its shared rows' input gates: given other numbers in those rows,
+    it still gets the first pass's (where the C gate kernel runs; elsewhere every pass computes all its rows)."""
+    from elmo_core.bilm.inference import SharedRows
+
+    chosen = model.kernels
+    if chosen is None or not (chosen.cpu_cells and chosen.gate_kernel):
+        pytest.skip(f"no C gate kernel here: {chosen}")
+    table = model.token_embeddings(["<pad>", "the", "cat", "sat"])
+    ids = torch.tensor([[1, 2, 3, 1]])
+    with torch.no_grad():
+        exact = model.token_rows(ids, token_table=table)[0]
+        shared = SharedRows(count=3, capacity=len(table) + 2)
+        model.token_rows(ids, token_table=table, shared=shared)
+        other = table.clone()
+        other[1:3] = torch.randn(2, table.shape[1])  # "the" and "cat" as another pass would never hold them
+        kept = model.token_rows(ids, token_table=other, shared=shared)[0]
+        recomputed = model.token_rows(ids, token_table=other)[0]
+    for a, b in zip(exact[1:], kept[1:], strict=True):  # the LSTM layers; layer 0 is the table itself
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert not torch.allclose(exact[1], recomputed[1], atol=1e-3)  # the other numbers do change a recomputation
 
 
 def _stateful(model, carry: StateCarry, batch):

@@ -12,7 +12,7 @@ from torch import nn
 from elmo_core import BiLM, batch_to_ids
 from elmo_core.bilm.initialization import init_bilm_tf
 from elmo_core.bilm.kernels import choose_training, trained_step
-from elmo_core.bilm.model import LstmCell, _recurrence
+from elmo_core.bilm.lstm import LstmCell, _recurrence
 from elmo_core.config import tiny
 
 HIDDEN = 40  # not a multiple of the 16 float32 lanes: the vector loop's remainder runs too
@@ -39,7 +39,7 @@ def _pair() -> list[nn.LSTM]:
 
 
 def _window(pair, clips, one_node, x, h, c, precision, batch_sizes):
-    """A window of model.LstmCell steps (rows ending on the way): outputs, final states and the gradients of a loss
+    """A window of lstm.LstmCell steps (rows ending on the way): outputs, final states and the gradients of a loss
     of all three w.r.t. the inputs, the initial state and every weight."""
     leaves = [t.clone().requires_grad_() for t in (x, h, c)]
     for lstm in pair:
@@ -136,7 +136,7 @@ def test_the_model_s_gradients_are_the_reference_s(precision, monkeypatch):
     bilm = _model()
     calls = []
     window = trained_step.Window
-    monkeypatch.setattr("elmo_core.bilm.model.Window", lambda *a: calls.append(1) or window(*a))
+    monkeypatch.setattr("elmo_core.bilm.lstm.Window", lambda *a: calls.append(1) or window(*a))
     reference = _gradients(bilm, precision)
     assert not calls  # not prepared: the reference runs
     assert bilm.prepare_training().one_node

@@ -4,6 +4,8 @@
   sentence from zero state), or in the given order (the stateful protocol, where row r continues row r).
 * ``TokenCache``: layer 0 (char CNN, highway, projection) of a chunk of work's distinct words, as a table;
   sentences then enter the model as (B, T) ids into it.
+* ``SharedRows``: the words more than one pass of a chunk reads, first in every pass's table, so that layer 0's
+  input gates of them are computed once per chunk, not once per pass.
 * ``WordCache``: layer 0 of the words a process has seen, kept across calls (a word's layer 0 depends on the word
   alone), least recently used dropped first: a chunk then pays the char CNN only for words it has not seen.
 * ``StateCarry``: bilm-tf's and AllenNLP's stateful protocol over explicit state: row r's final LSTM state
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -42,7 +45,11 @@ class Embeds(Protocol):
     def token_embeddings(self, tokens: Sequence[str], batch_size: int = 1024) -> Tensor: ...
 
     def token_rows(
-        self, inputs: Tensor, state: LstmState | None = None, token_table: Tensor | None = None
+        self,
+        inputs: Tensor,
+        state: LstmState | None = None,
+        token_table: Tensor | None = None,
+        shared: SharedRows | None = None,
     ) -> tuple[list[Tensor], Tensor, LstmState]: ...
 
     def prepared(self, precision: str) -> contextlib.AbstractContextManager[Any]: ...
@@ -113,15 +120,43 @@ class TokenCache:
                 raise KeyError(f"token {exc.args[0]!r} (sentence {b}) is not in the token cache") from None
         return torch.from_numpy(ids)
 
-    def pass_ids(self, sentences: Sequence[Sequence[str]]) -> tuple[Tensor, Tensor]:
-        """``ids`` into the rows of ``table`` that these sentences read, and those rows (R,) (row 0, the padding,
-        first). A pass is given only its own words: the model runs layer 0's input product over every row of the
-        table it gets, and a chunk's table holds the words of several passes (``CACHE_TOKENS``); given the whole
-        table, each pass recomputed the products of them all (on bench/manylangs.py's 512 sentences in int8: 1.64 s
-        of those products in a 6.4 s call, 0.58 s given its own)."""
+    def pass_ids(self, sentences: Sequence[Sequence[str]], shared: int = 0) -> tuple[Tensor, Tensor]:
+        """``ids`` into the rows of ``table`` that these sentences read, and those rows (R,): row 0 (the padding)
+        and the ``shared`` rows after it first, whether read or not (``SharedRows``), then the pass's own. A pass is
+        not given the rest of the chunk's words: the model runs layer 0's input product over every row of the table
+        it gets that it did not keep, and a chunk's table holds the words of several passes (``CACHE_TOKENS``);
+        given the whole table, each pass recomputed the products of them all (on bench/manylangs.py's 512 sentences
+        in int8: 1.64 s of those products in a 6.4 s call, 0.58 s given its own)."""
         ids = self.ids(sentences).numpy()
-        rows, own = np.unique(np.concatenate([[0], ids.ravel()]), return_inverse=True)  # row 0 stays id 0
-        return torch.from_numpy(own[1:].reshape(ids.shape)), torch.from_numpy(rows)
+        first = shared + 1
+        rows, own = np.unique(np.concatenate([np.arange(first), ids.ravel()]), return_inverse=True)  # 0..shared stay
+        return torch.from_numpy(own[first:].reshape(ids.shape)), torch.from_numpy(rows)
+
+
+@dataclass
+class SharedRows:
+    """The first ``count`` rows of every pass's token table in a chunk of work: the padding row, then the words more
+    than one of its passes reads, the same words in the same order in each. Layer 0 computes their input gates
+    with the chunk's first pass, keeps them in ``kept`` (by the weight they were computed with), and computes only
+    each pass's own words after them, in room for ``capacity`` rows (the largest table of the chunk, boundaries
+    included). Why: frequent words are in every pass, and their input product (2 x 4H wide) was recomputed in each:
+    on bench/manylangs.py's 4,096 sentences in int8, 1.5x as many rows as the chunk has words, 4.2 s of a 39 s job;
+    2.9 s computed once. Made per chunk by ``token_rows`` and dropped with it, so what is kept never outlives the chunk
+    and no two calls share it."""
+
+    count: int
+    capacity: int
+    kept: dict[int, Tensor] = field(default_factory=dict)
+
+
+def shared_first(words_of_passes: Sequence[set[str]]) -> tuple[list[str], int, int]:
+    """A chunk's words (each pass's distinct words given), those read by more than one pass first, each part sorted;
+    how many those are, and the most words a pass reads of the rest."""
+    seen = Counter(word for words in words_of_passes for word in words)
+    shared = sorted(word for word, passes in seen.items() if passes > 1)
+    rest = sorted(word for word, passes in seen.items() if passes == 1)
+    most_own = max((sum(seen[word] == 1 for word in words) for words in words_of_passes), default=0)
+    return shared + rest, len(shared), most_own
 
 
 class WordCache:
@@ -202,13 +237,16 @@ def token_rows(
     words = words if words is not None else WordCache(bilm)
     pinned = bilm.device.type == "cuda"  # page-locked host memory: the copy runs without the host waiting for it
     for chunk in _chunks(batches, sentences):
-        cache = words.table(sorted({token for batch in chunk for i in batch for token in sentences[i]}))
+        order, n_shared, most_own = shared_first([{token for i in batch for token in sentences[i]} for batch in chunk])
+        cache = words.table(order)
         table = cache.table.to(bilm.device)
+        shared = SharedRows(1 + n_shared, 1 + n_shared + most_own + 2)  # the padding row; <S> and </S> at the end
         for batch in chunk:
-            ids, rows = cache.pass_ids([sentences[i] for i in batch])
+            ids, rows = cache.pass_ids([sentences[i] for i in batch], n_shared)
             ids, rows = ((t.pin_memory() if pinned else t).to(bilm.device, non_blocking=True) for t in (ids, rows))
             state = carry.take(len(batch)) if carry is not None else None
-            layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=table.index_select(0, rows))
+            token_table = table.index_select(0, rows)
+            layers, counts, new_state = bilm.token_rows(ids, state=state, token_table=token_table, shared=shared)
             if carry is not None:
                 carry.keep(new_state)
             yield batch, layers, counts

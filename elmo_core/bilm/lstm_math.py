@@ -1,6 +1,6 @@
 """TensorFlow's ``LSTMCell`` arithmetic, written once: the reference every LSTM path of the project computes.
 
-``model.LstmCell`` (training, CUDA, any call with gradients) runs it as it is; the CPU inference cell
+``lstm.LstmCell`` (training, CUDA, any call with gradients) runs it as it is; the CPU inference cell
 (``kernels/cells.py``) runs it where the C gate kernel is off; the C kernels are checked against it. A leaf: it
 imports only torch, so the model and the kernels below it share it without importing each other.
 """

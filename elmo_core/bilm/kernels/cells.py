@@ -1,6 +1,6 @@
 """The CPU inference cell: one layer's LSTM step, both directions at once, without autograd.
 
-It computes what ``model.LstmCell`` (the reference) computes, with the weights prepared once per weight version
+It computes what ``lstm.LstmCell`` (the reference) computes, with the weights prepared once per weight version
 (``cache.py``) instead of on every call:
 
 * **fp32**: the weights stacked and transposed; the per-step products on weights packed for oneDNN where they are
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from elmo_core.bilm.inference import SharedRows
 from elmo_core.bilm.kernels import fused_gates, step_loop
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.kernels.int8 import Int8Weights
@@ -82,6 +83,13 @@ def _gates_one_sigmoid(z: Tensor, c: Tensor, hidden: int, cell_clip: float | Non
     if cell_clip is not None:
         c = c.clamp_(-cell_clip, cell_clip)
     return torch.sigmoid(c * 2.0).mul_(2.0).sub_(1.0).mul_(s[..., 3 * hidden :]), c
+
+
+def _products_into(gates: Tensor, start: int, x: Tensor, w_ih_t: Tensor) -> None:
+    """x (rows, in) @ W_ih.T of each direction into ``gates[d, start : start + rows]`` (one product each, no copy)."""
+    x = x.to(w_ih_t.dtype)
+    for d in range(2):
+        torch.mm(x, w_ih_t[d], out=gates[d, start : start + len(x)])
 
 
 class CpuCell:
@@ -171,16 +179,36 @@ class CpuCell:
             return (StepInput(x_t) for x_t in x.split(batch_sizes, dim=1))
         return iter(self._input_gates(x).split(batch_sizes, dim=1))
 
-    def word_steps(self, table: Tensor, ids: Tensor, batch_sizes: list[int]) -> Iterator[GateRows | Tensor]:
-        """Layer 0: the input gates of each distinct word once (both directions' in one (2U, 4H) table), then per
-        step the rows its tokens take (``ids`` (2, N) rows of ``table``, packed order)."""
-        rows = ids + torch.tensor([[0], [table.shape[0]]])  # the backward direction's rows follow the forward's
+    def word_steps(
+        self, table: Tensor, ids: Tensor, batch_sizes: list[int], shared: SharedRows | None = None
+    ) -> Iterator[GateRows | Tensor]:
+        """Layer 0: the input gates of each distinct word once (both directions' in one flat (2R, 4H) table), then
+        per step the rows its tokens take (``ids`` (2, N) rows of ``table``, packed order). ``shared``: the table's
+        first rows are its chunk's shared words, whose gates are kept from the chunk's first pass (C gates only)."""
         if self.gate_kernel:  # the C loop adds the bias and reads the rows in place (bf16: half the memory)
-            dtype, w_ih_t = (torch.bfloat16, self.word_w_ih_t()) if self.word_w_ih_t else (self.dtype, self.w_ih_t)
-            flat = torch.bmm(table.to(dtype).expand(2, *table.shape), w_ih_t).reshape(2 * table.shape[0], -1)
+            w_ih_t = self.word_w_ih_t() if self.word_w_ih_t else self.w_ih_t
+            flat, backward = self._word_gates(table, w_ih_t, shared)
+            rows = ids + torch.tensor([[0], [backward]])  # the backward direction's rows follow the forward's
             return (GateRows(flat, r, self.bias) for r in rows.split(batch_sizes, dim=1))
+        rows = ids + torch.tensor([[0], [table.shape[0]]])
         flat = self._input_gates(table.expand(2, *table.shape)).reshape(2 * table.shape[0], -1)
         return (flat.index_select(0, r.reshape(-1)).view(2, r.shape[1], -1) for r in rows.split(batch_sizes, dim=1))
+
+    @staticmethod
+    def _word_gates(table: Tensor, w_ih_t: Tensor, shared: SharedRows | None) -> tuple[Tensor, int]:
+        """table (R, in) @ W_ih.T per direction, in W's dtype, without the bias: a flat (2 x rows, 4H) table and
+        the first row of the backward direction's. With ``shared``, into the chunk's kept (2, capacity, 4H): the
+        shared rows computed once (the chunk's first pass), then this pass's own after them."""
+        if shared is None or len(table) > shared.capacity:
+            flat = torch.bmm(table.to(w_ih_t.dtype).expand(2, *table.shape), w_ih_t)
+            return flat.reshape(2 * len(table), -1), len(table)
+        gates = shared.kept.get(id(w_ih_t))
+        if gates is None:
+            gates = w_ih_t.new_empty(2, shared.capacity, w_ih_t.shape[2])
+            _products_into(gates, 0, table[: shared.count], w_ih_t)
+            shared.kept[id(w_ih_t)] = gates
+        _products_into(gates, shared.count, table[shared.count :], w_ih_t)
+        return gates.view(2 * shared.capacity, -1), shared.capacity
 
     def _input_gates(self, x: Tensor) -> Tensor:
         """x (2, N, in) @ W_ih.T + bias ─► (2, N, 4H) float32."""

@@ -47,7 +47,7 @@ class Kernels:
 
     ``cpu_cells``: the LSTM steps run this choice's own cell (``cell``): ``cells.CpuCell`` (weights prepared once),
     or ``layer_steps.LayerCell`` where ``layer_at_once`` (CUDA's default; on a CPU where forced); else
-    ``model.LstmCell``, the reference. ``compiled`` and ``graphs``: how ``LayerCell`` runs its steps
+    ``lstm.LstmCell``, the reference. ``compiled`` and ``graphs``: how ``LayerCell`` runs its steps
     (``torch.compile``, CUDA graphs), ``layer_note`` why either is off. ``min_packed``: weights of at least this many
     elements per direction run their per-step products on oneDNN-packed copies (None: never). ``gate_kernel``: the
     gate arithmetic runs in C. ``packed_weights`` names which of this model's weights that makes, for the log. In
@@ -232,7 +232,7 @@ def _layer_kernels(device: torch.device, precision: str, compiled: bool | None, 
 
 @dataclass(frozen=True)
 class TrainingKernels:
-    """What runs a model's calls with gradients on one device: ``model.LstmCell`` (the reference products, under
+    """What runs a model's calls with gradients on one device: ``lstm.LstmCell`` (the reference products, under
     the run's autocast); with ``one_node`` each step one autograd node, its gate arithmetic in C forward and
     backward (``trained_step``). ``sparse_char_cnn``: each char CNN width's convolution and max is one node whose
     backward reaches only the max's position, in C (``char_cnn``). The notes say why not where one is off."""

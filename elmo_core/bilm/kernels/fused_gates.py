@@ -206,7 +206,7 @@ def lstm_gates(
     into the weights). ``c`` (D, rows, H) float32 is the cell state.
 
     Returns (m, c'): the cell output ``sigmoid(z_o) * tanh(c')`` (D, rows, H) in ``m_dtype`` and the clipped new cell
-    state (D, rows, H) float32. The same arithmetic as ``model.LstmCell.gates``, to a few 1e-7.
+    state (D, rows, H) float32. The same arithmetic as ``lstm.LstmCell.gates``, to a few 1e-7.
     """
     library = _library()
     if isinstance(library, str):

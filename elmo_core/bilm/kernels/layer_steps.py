@@ -2,11 +2,11 @@
 cell (and the CPU's where asked for; its C kernels stay faster there).
 
 Why: every published ELMo clips its cell and its projection, which cuDNN's LSTM cannot do, so the reference cell
-(``model.LstmCell``) runs each step from Python as a dozen small kernels: the recurrent product, the four gates'
+(``lstm.LstmCell``) runs each step from Python as a dozen small kernels: the recurrent product, the four gates'
 activations, the cell update, its clip, the projection and its clip. On a GPU each is a launch that costs more than
 the arithmetic it starts, and the batch job ran at a ninth of what training the same shape does.
 
-``LayerCell`` takes a whole layer in one ``run_steps`` call (its ``loop_rows`` is unbounded, so ``model._recurrence``
+``LayerCell`` takes a whole layer in one ``run_steps`` call (its ``loop_rows`` is unbounded, so ``lstm._recurrence``
 hands it every step at once) and runs it on fixed shapes:
 
 * the rows padded to a bucket (``row_bucket``: 8, 12, 16, 24, 32, 48, ... each at most 1.5x the one before), the
@@ -38,6 +38,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor, nn
 
+from elmo_core.bilm.inference import SharedRows
 from elmo_core.bilm.kernels import cuda_graphs
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.lstm_math import reference_gates, stacked
@@ -84,7 +85,7 @@ def lstm_step(
     proj_clip: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One step of every row: input gates gx (2, R, 4H) in the products' dtype, alive (R, 1), h (2, R, P), c (2, R, H)
-    float32 ─► (h, c) of the rows (a row not alive keeps its own) and the step's output (2, R, P). ``model.LstmCell
+    float32 ─► (h, c) of the rows (a row not alive keeps its own) and the step's output (2, R, P). ``lstm.LstmCell
     .step``'s arithmetic: z = gx + h W_hh, the gates in float32, h = clip(m W_hr)."""
     z = torch.baddbmm(gx, h.to(w_hh_t.dtype), w_hh_t).float()
     m, c_new = reference_gates(z, c, cell_clip)
@@ -229,9 +230,9 @@ class LayerInput:
 
 
 class LayerCell:
-    """One layer's steps, both directions, run a layer at a time (see the module docstring); ``model.Cell``."""
+    """One layer's steps, both directions, run a layer at a time (see the module docstring); ``lstm.Cell``."""
 
-    loop_rows = sys.maxsize  # ``model._recurrence`` hands the whole layer to ``run_steps``
+    loop_rows = sys.maxsize  # ``lstm._recurrence`` hands the whole layer to ``run_steps``
 
     def __init__(
         self,
@@ -255,12 +256,15 @@ class LayerCell:
         starts = [0, *torch.tensor(batch_sizes).cumsum(0).tolist()[:-1]]
         return (LayerInput(x, start) for start in starts)
 
-    def word_steps(self, table: Tensor, ids: Tensor, batch_sizes: list[int]) -> Iterator[LayerInput]:
-        """Layer 0: the table's rows of each token (``ids`` (2, N), packed order) as the layer's input."""
+    def word_steps(
+        self, table: Tensor, ids: Tensor, batch_sizes: list[int], shared: SharedRows | None = None
+    ) -> Iterator[LayerInput]:
+        """Layer 0: the table's rows of each token (``ids`` (2, N), packed order) as the layer's input (a layer's
+        input product runs per token here, so ``shared`` rows have nothing to keep)."""
         return self.steps(torch.stack([table.index_select(0, ids[0]), table.index_select(0, ids[1])]), batch_sizes)
 
     def step(self, source: LayerInput, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-        """One step of the rows still running (``model.Cell``; ``_recurrence`` hands this cell whole layers)."""
+        """One step of the rows still running (``lstm.Cell``; ``_recurrence`` hands this cell whole layers)."""
         _, h, c = self.run_steps([source], [h.shape[1]], h, c)
         return h, c
 

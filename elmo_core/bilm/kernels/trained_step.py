@@ -3,7 +3,7 @@ gate arithmetic forward and backward as C loops, ``lstm_gates.c``) and one for t
 weight gradients of every step are taken at once. For training on a CPU.
 
 Why: the main job's model (``mini``, 32 rows) spends its training step in per-operation overhead more than in
-arithmetic. A step of the reference cell (``model.LstmCell``) is about ten autograd operations forward (the
+arithmetic. A step of the reference cell (``lstm.LstmCell``) is about ten autograd operations forward (the
 recurrent product, chunk, three sigmoids, two tanhs, products, sum, the cell clip, the projection, its clip, the
 casts autocast adds) and twice as many backward, each a pass over a (2, rows, 4H), (2, rows, H) or (2, rows, P)
 tensor; 20 steps x 2 layers of them per window, and each step's backward makes two small weight-gradient products and
@@ -184,7 +184,7 @@ class _Step(torch.autograd.Function):
 
 class Window:
     """One layer's training window on a CPU, both directions: ``input_gates`` of every step (one product), then
-    ``step`` once per time step. Made by ``model.LstmCell`` from its stacked, transposed (and autocast-cast) weights:
+    ``step`` once per time step. Made by ``lstm.LstmCell`` from its stacked, transposed (and autocast-cast) weights:
     bias (2, 1, 4H), W_ih (2, in, 4H), W_hh (2, P, 4H), W_hr (2, H, P) or None."""
 
     def __init__(
