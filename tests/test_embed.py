@@ -371,3 +371,23 @@ def test_the_plan_of_text_not_yet_tokenized_says_its_gpu_processes(tmp_path, all
         "one process per GPU (0, 1), each taking units as it finishes one, where the text" in line for line in said
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_weights_are_prepared_before_the_first_unit(corpus, tmp_path, allennlp_dir, monkeypatch):
+    """The embedder warms its runtime up once (``Runtime.warm_up``): the kernels' weights are prepared before the
+    first unit starts its clock, so a unit's seconds (the manifest's, the ETA's) are its own work."""
+    from elmo_core.bilm.kernels import cells
+    from elmo_core.vectors.embed import Embedder, plan_job
+
+    job = plan_job(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / "out"), layers="all"))
+    embedder = Embedder(job)
+    assert embedder.runtime.bilm.kernels.cpu_cells  # the CPU cell, whose weights are prepared on first use
+    prepared, make = [], cells.CpuCell._weights
+    monkeypatch.setattr(cells.CpuCell, "_weights", lambda cell, pair: prepared.append(pair) or make(cell, pair))
+    (tmp_path / "units").mkdir()
+    embedder.embed_unit(job.units[0], tmp_path / "units")
+    assert prepared == []
+    embedder.runtime.bilm.kernels.cache.clear()  # as if nothing had warmed it: the unit prepares them itself
+    (tmp_path / "again").mkdir()
+    embedder.embed_unit(job.units[0], tmp_path / "again")
+    assert prepared

@@ -18,6 +18,7 @@ same whichever asked.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -42,6 +43,9 @@ from elmo_core.runtime.placement import Placement, place, take_threads
 from elmo_core.runtime.reference import ModelRef, resolve_model
 
 log = logging.getLogger(__name__)
+
+# a first call's sentences: every layer runs, so every kernel's weights are prepared (``Runtime.warm_up``)
+WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
 
 CUDA_MAX_BATCH_TOKENS = 65_536  # ~2,000 rows of 30 tokens a step: the recurrent product's rows fill an H100
 CUDA_MEMORY_SHARE = 0.25  # of the GPU's memory for one forward pass's per-token tensors: room for buckets and graphs
@@ -170,6 +174,14 @@ class Runtime:
             "max_batch_tokens_why": self.budget_why,
             "cpu": cpu.describe(),
         }
+
+    def warm_up(self) -> float:
+        """One short call before the real ones, and its seconds: the kernels' weights prepared (cast, packed or
+        quantized once per weight version) and their buffers sized, so that a job's first unit and a server's first
+        request do not pay for it (1.2 s of the first unit, in int8 on the ManyLangs shape of bench/manylangs.py)."""
+        started = time.perf_counter()
+        self.embed(WARM_UP)
+        return time.perf_counter() - started
 
     # --- running sentences -----------------------------------------------------------------------------
     def batches(self, lengths: Sequence[int], in_order: bool = False, max_rows: int | None = None) -> list[list[int]]:

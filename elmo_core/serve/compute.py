@@ -23,11 +23,11 @@ import torch
 from elmo_core.bilm.inference import sentence_slices
 from elmo_core.runtime import Output as Shape
 from elmo_core.runtime import Runtime
+from elmo_core.runtime.engine import WARM_UP
 from elmo_core.serve.api import Answer, Batch, Output
 
 log = logging.getLogger(__name__)
 
-WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
 SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "mean")}  # a request's kind, as the
 # runtime's output description: (layers, pool)
 

@@ -308,6 +308,8 @@ class Embedder:
         self.config, self.model_id, self.show_kernels = config, job.model_id, show_kernels
         self.writes_beside = job.writes_beside
         self.runtime = Runtime.open(job.model, placement=job.placement, max_batch_tokens=config.max_batch_tokens)
+        seconds = self.runtime.warm_up()  # not in the first unit's seconds, nor its ETA
+        log.info("weights prepared for %s in %.1f s, before the first unit", job.placement.line(), seconds)
         if show_kernels:
             log.info("%s; oneDNN's log of the first batch follows", self.runtime.bilm.kernels)
         self.output = Output.of(config.layers, config.pool, config.mix_weights, config.gamma, config.dtype)
