@@ -92,24 +92,29 @@ def test_a_chunk_computes_each_words_input_gates_once(model, monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_the_shared_rows_input_gates_are_kept_from_the_chunks_first_pass(model):
+@pytest.mark.parametrize("gate_kernel", [True, False], ids=["C gates", "PyTorch gates"])
+def test_the_shared_rows_input_gates_are_kept_from_the_chunks_first_pass(model, gate_kernel):
     """The second pass of a chunk does not recompute its shared rows' input gates: given other numbers in those rows,
-    it still gets the first pass's (where the C gate kernel runs; elsewhere every pass computes all its rows)."""
+    it still gets the first pass's, with the C gate kernel and without."""
     from elmo_core.bilm.inference import SharedRows
+    from elmo_core.bilm.kernels import fused_gates
 
-    chosen = model.kernels
-    if chosen is None or not (chosen.cpu_cells and chosen.gate_kernel):
-        pytest.skip(f"no C gate kernel here: {chosen}")
+    if gate_kernel and not fused_gates.available():
+        pytest.skip(fused_gates.describe())
     table = model.token_embeddings(["<pad>", "the", "cat", "sat"])
     ids = torch.tensor([[1, 2, 3, 1]])
-    with torch.no_grad():
-        exact = model.token_rows(ids, token_table=table)[0]
-        shared = SharedRows(count=3, capacity=len(table) + 2)
-        model.token_rows(ids, token_table=table, shared=shared)
-        other = table.clone()
-        other[1:3] = torch.randn(2, table.shape[1])  # "the" and "cat" as another pass would never hold them
-        kept = model.token_rows(ids, token_table=other, shared=shared)[0]
-        recomputed = model.token_rows(ids, token_table=other)[0]
+    other = table.clone()
+    other[1:3] = torch.randn(2, table.shape[1])  # "the" and "cat" as another pass would never hold them
+    try:
+        assert model.prepare("fp32", gate_kernel=gate_kernel).cpu_cells
+        with torch.no_grad():
+            exact = model.token_rows(ids, token_table=table)[0]
+            shared = SharedRows(count=3, capacity=len(table) + 2)
+            model.token_rows(ids, token_table=table, shared=shared)
+            kept = model.token_rows(ids, token_table=other, shared=shared)[0]
+            recomputed = model.token_rows(ids, token_table=other)[0]
+    finally:
+        model.prepare("fp32")
     for a, b in zip(exact[1:], kept[1:], strict=True):  # the LSTM layers; layer 0 is the table itself
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert not torch.allclose(exact[1], recomputed[1], atol=1e-3)  # the other numbers do change a recomputation

@@ -149,7 +149,7 @@ class SharedRows:
 
     count: int
     capacity: int
-    kept: dict[int, Tensor] = field(default_factory=dict)
+    kept: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # id(weight): (weight, its gates)
 
 
 def shared_first(words_of_passes: Sequence[set[str]]) -> tuple[list[str], int, int]:

@@ -184,15 +184,16 @@ class CpuCell:
     ) -> Iterator[GateRows | Tensor]:
         """Layer 0: the input gates of each distinct word once (both directions' in one flat (2R, 4H) table), then
         per step the rows its tokens take (``ids`` (2, N) rows of ``table``, packed order). ``shared``: the table's
-        first rows are its chunk's shared words, whose gates are kept from the chunk's first pass (C gates only)."""
+        first rows are its chunk's shared words, whose gates are kept from the chunk's first pass."""
+        w_ih_t = self.word_w_ih_t() if self.word_w_ih_t else self.w_ih_t
+        flat, backward = self._word_gates(table, w_ih_t, shared)
+        rows = ids + torch.tensor([[0], [backward]])  # the backward direction's rows follow the forward's
         if self.gate_kernel:  # the C loop adds the bias and reads the rows in place (bf16: half the memory)
-            w_ih_t = self.word_w_ih_t() if self.word_w_ih_t else self.w_ih_t
-            flat, backward = self._word_gates(table, w_ih_t, shared)
-            rows = ids + torch.tensor([[0], [backward]])  # the backward direction's rows follow the forward's
             return (GateRows(flat, r, self.bias) for r in rows.split(batch_sizes, dim=1))
-        rows = ids + torch.tensor([[0], [table.shape[0]]])
-        flat = self._input_gates(table.expand(2, *table.shape)).reshape(2 * table.shape[0], -1)
-        return (flat.index_select(0, r.reshape(-1)).view(2, r.shape[1], -1) for r in rows.split(batch_sizes, dim=1))
+        return (
+            _plus(flat.index_select(0, r.reshape(-1)).view(2, r.shape[1], -1), self.bias)
+            for r in rows.split(batch_sizes, dim=1)
+        )
 
     @staticmethod
     def _word_gates(table: Tensor, w_ih_t: Tensor, shared: SharedRows | None) -> tuple[Tensor, int]:
@@ -202,11 +203,11 @@ class CpuCell:
         if shared is None or len(table) > shared.capacity:
             flat = torch.bmm(table.to(w_ih_t.dtype).expand(2, *table.shape), w_ih_t)
             return flat.reshape(2 * len(table), -1), len(table)
-        gates = shared.kept.get(id(w_ih_t))
-        if gates is None:
+        weight, gates = shared.kept.get(id(w_ih_t), (None, None))
+        if weight is not w_ih_t or gates is None:  # the weight is held with its gates: its id cannot be reused
             gates = w_ih_t.new_empty(2, shared.capacity, w_ih_t.shape[2])
             _products_into(gates, 0, table[: shared.count], w_ih_t)
-            shared.kept[id(w_ih_t)] = gates
+            shared.kept[id(w_ih_t)] = (w_ih_t, gates)
         _products_into(gates, shared.count, table[shared.count :], w_ih_t)
         return gates.view(2 * shared.capacity, -1), shared.capacity
 
