@@ -92,6 +92,17 @@ def test_a_chunk_computes_each_words_input_gates_once(model, monkeypatch):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_the_shared_words_are_at_most_as_many_as_the_largest_pass_reads():
+    """Words spread evenly over a chunk's passes would make every pass's table hold half the chunk: the shared words
+    are those read by the most passes, at most as many as the largest pass reads; the rest are each pass's own."""
+    from elmo_core.bilm.inference import shared_first
+
+    order, n_shared, most_own = shared_first([{"a", "b"}, {"c", "d"}, {"a", "c"}, {"b", "d"}])
+    assert (order, n_shared, most_own) == (["a", "b", "c", "d"], 2, 2)  # all four shared by two passes: two kept
+    order, n_shared, most_own = shared_first([{"a", "b", "z"}, {"c", "d", "z"}, {"a", "c", "z"}, {"b", "d"}])
+    assert order[:3] == ["a", "b", "z"] and n_shared == 3 and most_own == 2  # z, read by three, comes first
+
+
 @pytest.mark.parametrize("gate_kernel", [True, False], ids=["C gates", "PyTorch gates"])
 def test_the_shared_rows_input_gates_are_kept_from_the_chunks_first_pass(model, gate_kernel):
     """The second pass of a chunk does not recompute its shared rows' input gates: given other numbers in those rows,

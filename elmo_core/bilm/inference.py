@@ -139,13 +139,13 @@ class TokenCache:
 @dataclass
 class SharedRows:
     """The first ``count`` rows of every pass's token table in a chunk of work: the padding row, then the words more
-    than one of its passes reads, the same words in the same order in each. Layer 0 computes their input gates
-    with the chunk's first pass, keeps them in ``kept`` (by the weight they were computed with), and computes only
-    each pass's own words after them, in room for ``capacity`` rows (the largest table of the chunk, boundaries
-    included). Why: frequent words are in every pass, and their input product (2 x 4H wide) was recomputed in each:
-    on bench/manylangs.py's 4,096 sentences in int8, 1.5x as many rows as the chunk has words, 4.2 s of a 39 s job;
-    2.9 s computed once. Made per chunk by ``token_rows`` and dropped with it, so what is kept never outlives the chunk
-    and no two calls share it."""
+    than one of its passes reads (``shared_first``), the same words in the same order in each. Layer 0 computes
+    their input gates with the chunk's first pass, keeps them in ``kept`` (by the weight they were computed with),
+    and computes only each pass's own words after them, in room for ``capacity`` rows (the largest table of the
+    chunk, boundaries included). Why: frequent words are in every pass, and their input product (2 x 4H wide) was
+    recomputed in each: on bench/manylangs.py's 4,096 sentences in int8, 1.5x as many rows as the chunk has words,
+    4.2 s of a 39 s job; 2.9 s computed once. Made per chunk by ``token_rows`` and dropped with it, so what is kept
+    never outlives the chunk and no two calls share it."""
 
     count: int
     capacity: int
@@ -153,13 +153,17 @@ class SharedRows:
 
 
 def shared_first(words_of_passes: Sequence[set[str]]) -> tuple[list[str], int, int]:
-    """A chunk's words (each pass's distinct words given), those read by more than one pass first, each part sorted;
-    how many those are, and the most words a pass reads of the rest."""
+    """A chunk's words (each pass's distinct words given), the shared ones first, each part sorted; how many are
+    shared, and the most words a pass reads of the rest. Shared: read by more than one pass, those read by the most
+    first, and at most as many as the largest pass reads, so that a pass's table (shared rows and its own) stays
+    within twice the largest it would have alone: words spread evenly over the passes (each read by two of them)
+    would otherwise make every pass's table hold half the chunk."""
     seen = Counter(word for words in words_of_passes for word in words)
-    shared = sorted(word for word, passes in seen.items() if passes > 1)
-    rest = sorted(word for word, passes in seen.items() if passes == 1)
-    most_own = max((sum(seen[word] == 1 for word in words) for words in words_of_passes), default=0)
-    return shared + rest, len(shared), most_own
+    largest = max((len(words) for words in words_of_passes), default=0)
+    by_passes = sorted((word for word, passes in seen.items() if passes > 1), key=lambda word: (-seen[word], word))
+    shared = set(by_passes[:largest])
+    most_own = max((sum(word not in shared for word in words) for words in words_of_passes), default=0)
+    return sorted(shared) + sorted(word for word in seen if word not in shared), len(shared), most_own
 
 
 class WordCache:

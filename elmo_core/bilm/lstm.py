@@ -85,8 +85,8 @@ class LstmCell:
         self, table: Tensor, ids: Tensor, batch_sizes: list[int], shared: SharedRows | None = None
     ) -> Iterator[Tensor]:
         """The same for layer 0 without gradients: the input gates of each distinct word (``table`` (U, in)) once,
-        then per step the rows its tokens take (``ids`` (2, N), packed order). ``shared``: not kept here (the CPU's
-        inference cell keeps them)."""
+        then per step the rows its tokens take (``ids`` (2, N), packed order). ``shared``: not kept here; every row of
+        the table is computed, the chunk's shared rows too (at most as many again, ``inference.shared_first``)."""
         gates = torch.baddbmm(self.bias, table.expand(2, *table.shape), self.w_ih_t).reshape(2 * table.shape[0], -1)
         rows = ids + torch.tensor([[0], [table.shape[0]]], device=ids.device)  # backward rows follow the forward's
         return (gates.index_select(0, r.reshape(-1)).view(2, r.shape[1], -1) for r in rows.split(batch_sizes, dim=1))
