@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from elmo_core import cpu
+from elmo_core import precision as precision_module
 from elmo_core.bilm.kernels import char_cnn, cuda_graphs, fused_gates, int8, layer_steps, packed, trained_step
 from elmo_core.bilm.kernels import step_loop as step_loop_module
 from elmo_core.bilm.kernels.cache import WeightCache
@@ -64,6 +65,7 @@ class Kernels:
     gate_kernel_note: str = ""
     step_loop: bool = False  # fp32: a layer's steps in one C call (``step_loop``), every one or the last few
     word_gates_bf16: bool = False  # int8 with native bf16: layer 0's per-word input product in bf16 (``CpuCell``)
+    encoder_bf16: bool = False  # int8 with native bf16 and 8-bit activations: layer 0 in bf16 (``_encoder_bf16``)
     layer_at_once: bool = False  # the steps run ``layer_steps.LayerCell`` (a whole layer per call, fixed shapes)
     compiled: bool = False
     graphs: bool = False
@@ -79,7 +81,8 @@ class Kernels:
             how = layer_steps.describe(self.compiled, self.graphs, *self.layer_note)
             return f"precision {self.precision} on {self.device}: {how}"
         products = (
-            f"LSTM step products in int8 {self.packed_weights} ({int8.describe()}), layer 0's per-word input "
+            f"LSTM step products in int8 {self.packed_weights} ({int8.describe()}), layer 0 (char CNN, highway, "
+            f"projection) in {'bf16' if self.encoder_bf16 else 'fp32'}, layer 0's per-word input "
             f"products in {'bf16' if self.word_gates_bf16 else 'fp32'}"
             if self.precision == "int8"
             else f"LSTM step weights packed for oneDNN {self.packed_weights}"
@@ -115,12 +118,14 @@ class Kernels:
             word_gates_bf16=self.word_gates_bf16,
         )
 
-    def token_encoder(self, encoder: nn.Module) -> nn.Module:
+    def token_encoder(self, encoder: nn.Module) -> Callable[[Tensor], Tensor]:
         """The token encoder to run: in bf16 on the CPU, a bfloat16 copy made once per weight version (autocast
-        would cast the same weights on every call; the numbers are the same)."""
-        if not (self.device == "cpu" and self.cpu_cells and self.precision == "bf16"):
+        would cast the same weights on every call; the numbers are the same); under int8 (``encoder_bf16``) the
+        same copy, its rows handed on in float32 as the int8 cells read them."""
+        if not (self.device == "cpu" and self.cpu_cells and (self.precision == "bf16" or self.encoder_bf16)):
             return encoder
-        return self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))
+        in_bf16 = self.cache.get((encoder,), "bf16-encoder", lambda: copy.deepcopy(encoder).to(torch.bfloat16))
+        return in_bf16 if self.precision == "bf16" else lambda char_ids: in_bf16(char_ids).float()
 
 
 def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
@@ -145,19 +150,19 @@ def choose(
     compiled: bool | None = None,
     graphs: bool | None = None,
     word_gates_bf16: bool | None = None,
+    encoder_bf16: bool | None = None,
 ) -> Kernels:
     """The kernels for a model of ``lstm``'s shape on ``device``: PyTorch's ``nn.LSTM`` for a model without clips;
     else on the CPU the prepared cells, oneDNN-packed products for weights from ``packed.MIN_ELEMENTS`` up, and the C
     gate kernel where it builds; on CUDA ``layer_steps.LayerCell`` (below). Each choice can be forced (the tests run
     every combination); ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In
     fp32 with the C library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or
-    ``ELMO_NO_STEP_LOOP=1``: never).
-    On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
+    ``ELMO_NO_STEP_LOOP=1``: never). On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
     the reference, as does ``cpu_cells=False``), its steps compiled where ``torch.compile`` runs (``compiled``;
     ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where
     ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs). ``word_gates_bf16``: int8's per-word
     input product in bf16 where the CPU has bf16 products (``_word_gates_bf16``; False: fp32, True cannot force it
-    where they would be emulated)."""
+    where they would be emulated); ``encoder_bf16`` likewise int8's layer 0 (``_encoder_bf16``)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
@@ -189,6 +194,7 @@ def choose(
         gate_kernel_note=gate_note,
         step_loop=precision == "fp32" and bool(gate_kernel) and step_loop is not False and step_loop_module.on(),
         word_gates_bf16=_word_gates_bf16(precision, bool(gate_kernel), word_gates_bf16),
+        encoder_bf16=_encoder_bf16(precision, encoder_bf16),
     )
 
 
@@ -199,6 +205,18 @@ def _word_gates_bf16(precision: str, gate_kernel: bool, forced: bool | None) -> 
     (bench/int8_word_gates.py): where the CPU has bf16 products (emulated they are slower than fp32) and the C gate
     kernel reads the bf16 rows. ``forced`` False: fp32."""
     return precision == "int8" and gate_kernel and forced is not False and cpu_has_native_bf16()
+
+
+def _encoder_bf16(precision: str, forced: bool | None) -> bool:
+    """int8: layer 0 (char CNN, highway, projection, once per distinct word) in bf16 where the CPU has bf16 products
+    and the int8 products take 8-bit activations (``precision.int8_engine``). Why: in fp32 it was the largest cost
+    after the products, 6.2 of 38.8 s of an ELMoForManyLangs release's batch job, and bf16 runs it 2.2x faster. Why
+    only with 8-bit activations: with 7-bit ones the TF-trained fixture's worst layer-1 cosine to fp32 fell to 0.99900
+    with it (0.99907 without), on tests/test_int8.py's bar; with 8-bit ones it is 0.99971 with it (0.99977 without),
+    and layer 0's own 0.99994. ``forced`` False: fp32 (layer 0 then equals fp32's)."""
+    if precision != "int8" or forced is False or not cpu_has_native_bf16():
+        return False
+    return int8.available() and precision_module.int8_engine()[1] == 8
 
 
 def _layer_at_once(device: torch.device, precision: str, forced: bool | None) -> bool:

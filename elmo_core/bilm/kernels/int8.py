@@ -3,13 +3,15 @@
 Why: on CPUs without bfloat16 instructions (AVX2-only x86, AVX-512 before Cooper Lake) fp32 is otherwise the fastest
 path, and the per-step products are most of an original-shape call. PyTorch's dynamic quantization runs them on
 int8 weights (per output channel, quantized once per weight version) with each call's activations quantized per
-tensor on the fly, through fbgemm (AVX2, AVX-512 VNNI) or oneDNN: 1.9-2.0x fp32 on the original shape, measured
-(``bench/int8_inference.py`` on the 2-vCPU AMD EPYC with avx512_bf16), with a per-token cosine to fp32 of at least
-0.999 at the 0.1% quantile in every layer on real text. The layer-0 input gates (once per distinct word), the
-bias, the gates and the cell state stay float32.
+tensor on the fly: 1.9-2.0x fp32 on the original shape, measured (``bench/int8_inference.py`` on the 2-vCPU AMD
+EPYC with avx512_bf16), with a per-token cosine to fp32 of at least 0.999 at the 0.1% quantile in every layer on real
+text. The bias, the gates and the cell state stay float32; layer 0 and its per-word input gates are not quantized
+(``choice.py`` says in what they run).
 
-On x86 the activations use 7 bits (``reduce_range``): fbgemm's AVX2 products sum pairs of int8 x uint8 in int16,
-which 8-bit activations can saturate. PyTorch 2.13 marks the quantized tensors these ops rest on as deprecated: the
+Where the CPU has VNNI (int8 dot products summed in int32) the weights are packed for oneDNN and the activations
+take 8 bits; elsewhere fbgemm (``x86``) runs them with 7-bit activations (``reduce_range``), because AVX2's products
+sum pairs of int8 x uint8 in int16, which 8-bit activations can saturate (``precision.int8_engine`` decides, once,
+and says which on the kernels line). PyTorch 2.13 marks the quantized tensors these ops rest on as deprecated: the
 warning is expected here and silenced where the weights are made; a torch without the ops has no int8
 (``precision.int8_products`` says why, once), and ``precision: int8`` is then refused in one line.
 """
@@ -29,10 +31,6 @@ log = logging.getLogger(__name__)
 _DEPRECATED = ".*quantiz.*deprecated"
 
 
-def _quantized_engine() -> str:
-    return torch.backends.quantized.engine
-
-
 def available() -> bool:
     """Whether this torch runs dynamic int8 products here (probed once, ``precision.int8_products``)."""
     return precision.int8_products()[0]
@@ -49,9 +47,10 @@ class Int8Weights:
     x @ W.T (rows, N) in float32, for ``weights`` (D, N, K) in ``nn.Linear``'s layout."""
 
     def __init__(self, weights: Tensor) -> None:
-        self.reduce_range = _quantized_engine() in ("x86", "fbgemm")  # AVX2's int16 sums (module docstring)
+        engine, bits = precision.int8_engine()
+        self.reduce_range = bits == 7  # AVX2's int16 sums (module docstring)
         self.packed = []
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), precision.quantized_engine(engine):
             warnings.filterwarnings("ignore", message=_DEPRECATED)
             for w in weights.detach().float().unbind(0):
                 scale = (w.abs().amax(1).clamp_min(1e-8) / 127).double()  # symmetric, per output channel
