@@ -167,10 +167,11 @@ def int8_engine() -> tuple[str, int]:
     """(the quantized engine int8 weights are packed for, the bits each call's activations are quantized to).
 
     Where the CPU sums int8 products in int32 (VNNI: AVX-512 VNNI, AVX-VNNI, AMX) the weights go to oneDNN with 8-bit
-    activations: on the 2-vCPU AMD EPYC with VNNI its products of the LSTM's 16,384-wide gates ran 1.1-1.3x fbgemm's
-    (``bench/int8_engines.py``), and the 8th bit lowered the TF-trained fixture's worst layer-1 cosine to fp32 from
-    0.99907 to 0.99977. Elsewhere torch's default engine (fbgemm behind ``x86``) with 7-bit activations: AVX2's
-    ``vpmaddubsw`` sums pairs of int8 x uint8 in int16, which 8-bit activations can saturate."""
+    activations: on the 2-vCPU AMD EPYC with VNNI its products of the LSTM's 16,384-wide gates ran 1.17-1.24x
+    fbgemm's 7-bit ones, its projection 0.90-1.05x (``bench/int8_engines.py``), and the 8th bit raised the TF-trained
+    fixture's worst layer-1 cosine to fp32 from 0.99907 to 0.99977. Elsewhere torch's default engine (fbgemm behind
+    ``x86``) with 7-bit activations: AVX2's ``vpmaddubsw`` sums pairs of int8 x uint8 in int16, which 8-bit
+    activations can saturate."""
     held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_VNNI
     if cpu.facts().vnni and not held and "onednn" in torch.backends.quantized.supported_engines:
         return "onednn", 8

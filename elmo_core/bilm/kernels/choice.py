@@ -157,12 +157,12 @@ def choose(
     gate kernel where it builds; on CUDA ``layer_steps.LayerCell`` (below). Each choice can be forced (the tests run
     every combination); ``ELMO_NO_PACKED_WEIGHTS=1`` and ``ELMO_NO_FUSED_GATES=1`` turn the two CPU kernels off. In
     fp32 with the C library a layer's steps run in one C loop (``step_loop``; ``step_loop=False`` or
-    ``ELMO_NO_STEP_LOOP=1``: never). On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``; ``ELMO_NO_LAYER_STEPS=1`` or False:
-    the reference, as does ``cpu_cells=False``), its steps compiled where ``torch.compile`` runs (``compiled``;
-    ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``; ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where
-    ``layer_at_once=True`` (never in int8, whose products only ``CpuCell`` runs). ``word_gates_bf16``: int8's per-word
-    input product in bf16 where the CPU has bf16 products (``_word_gates_bf16``; False: fp32, True cannot force it
-    where they would be emulated); ``encoder_bf16`` likewise int8's layer 0 (``_encoder_bf16``)."""
+    ``ELMO_NO_STEP_LOOP=1``: never). On CUDA a clipped model runs ``layer_steps.LayerCell`` (``layer_at_once``;
+    ``ELMO_NO_LAYER_STEPS=1`` or False: the reference, as does ``cpu_cells=False``), its steps compiled where
+    ``torch.compile`` runs (``compiled``; ``ELMO_NO_COMPILE=1``) and replayed as CUDA graphs (``graphs``;
+    ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where ``layer_at_once=True`` (never in int8, whose products only
+    ``CpuCell`` runs). ``word_gates_bf16`` and ``encoder_bf16``: int8's per-word input product and layer 0 in bf16
+    where chosen (``_word_gates_bf16``, ``_encoder_bf16``; False: fp32; True cannot force them)."""
     precision = resolve_precision(precision, device)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
