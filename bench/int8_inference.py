@@ -1,6 +1,6 @@
 """``precision: int8`` against fp32 in the same run: PyTorch's dynamic quantization of the LSTM step's products
-(``elmo_core/bilm/kernels/int8.py``: int8 weights per output channel, activations quantized per call; fbgemm on AVX2 /
-AVX-512 VNNI) against today's fp32 kernels (oneDNN-packed products, C gates). Per-token cosine to fp32 on real text
+(``elmo_core/bilm/kernels/int8.py``: int8 weights per output channel, activations quantized per call; oneDNN with
+8-bit activations where the CPU has VNNI, else fbgemm with 7) against today's fp32 kernels (oneDNN-packed products, C gates). Per-token cosine to fp32 on real text
 in every layer (the TF-trained fixture model), and tokens/s on the original shape.
 
     .venv/bin/python bench/int8_inference.py [--sentences 60] [--quality-sentences 400]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from functools import lru_cache
@@ -158,57 +159,70 @@ def resolve_precision(precision: str, device: torch.device | str) -> Precision:
     return Precision(str(precision), device_type, f"asked for {precision}")
 
 
-# oneDNN's instruction sets below VNNI, where ``ONEDNN_MAX_CPU_ISA`` holds it there (``ELMO_CPU_ISA=avx2`` does)
-_ONEDNN_BELOW_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
+# ``ONEDNN_MAX_CPU_ISA`` values that leave oneDNN every instruction set the CPU has (any other may hold it below VNNI,
+# as ``ELMO_CPU_ISA=avx2`` does; then fbgemm's 7 bits are the safe choice)
+_ONEDNN_UNHELD = frozenset({"", "ALL", "DEFAULT"})
+_PACKING = threading.Lock()  # the quantized engine is process-wide: one packing swaps it at a time
 
 
-@lru_cache(maxsize=1)
 def int8_engine() -> tuple[str, int]:
     """(the quantized engine int8 weights are packed for, the bits each call's activations are quantized to).
 
     Where the CPU sums int8 products in int32 (VNNI: AVX-512 VNNI, AVX-VNNI, AMX) the weights go to oneDNN with 8-bit
     activations: on the 2-vCPU AMD EPYC with VNNI its products of the LSTM's 16,384-wide gates ran 1.17-1.24x
     fbgemm's 7-bit ones, its projection 0.90-1.05x (``bench/int8_engines.py``), and the 8th bit raised the TF-trained
-    fixture's worst layer-1 cosine to fp32 from 0.99907 to 0.99977. Elsewhere torch's default engine (fbgemm behind
-    ``x86``) with 7-bit activations: AVX2's ``vpmaddubsw`` sums pairs of int8 x uint8 in int16, which 8-bit
-    activations can saturate."""
-    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_BELOW_VNNI
-    if cpu.facts().vnni and not held and "onednn" in torch.backends.quantized.supported_engines:
+    fixture's worst layer-1 cosine to fp32 from 0.99907 to 0.99977. Elsewhere on x86 torch's default engine with
+    7-bit activations: AVX2's ``vpmaddubsw`` sums pairs of int8 x uint8 in int16, which 8-bit activations can
+    saturate. Decided once per ``ELMO_CPU_ISA`` (the CPU a process behaves as)."""
+    return _int8_engine(cpu.override())
+
+
+@lru_cache(maxsize=4)
+def _int8_engine(isa: str | None) -> tuple[str, int]:
+    facts, engine = cpu.facts(), torch.backends.quantized.engine
+    unheld = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_UNHELD
+    if facts.vnni and unheld and "onednn" in torch.backends.quantized.supported_engines:
         return "onednn", 8
-    engine = torch.backends.quantized.engine
-    return engine, 7 if engine in ("x86", "fbgemm") else 8
+    return engine, 7 if facts.x86 else 8
 
 
 @contextlib.contextmanager
 def quantized_engine(name: str) -> Iterator[None]:
     """torch's quantized engine set to ``name`` for the block: a packed weight keeps the engine it was packed for,
-    so only packing reads it (the setting is process-wide: it is put back at once)."""
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = before
+    so only packing reads it. The setting is process-wide: it is put back at once, and one block holds it at a time
+    (two threads packing at once would otherwise put back each other's)."""
+    with _PACKING:
+        before = torch.backends.quantized.engine
+        torch.backends.quantized.engine = name
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = before
 
 
-@lru_cache(maxsize=1)
 def int8_products() -> tuple[bool, str]:
     """Whether this torch runs dynamic int8 products on this CPU (what ``precision: int8`` runs, ``kernels/int8.py``),
-    and why not: one tiny product on ``int8_engine``, checked once against float32 (a wrong result, a missing op or
-    an engine that refuses the CPU each say so). PyTorch 2.13 marks these ops deprecated; the warning is silenced
-    here."""
+    and why not: one tiny product on ``int8_engine``, checked once per ``ELMO_CPU_ISA`` against float32 (a wrong
+    result, a missing op or an engine that refuses the CPU each say so). PyTorch 2.13 marks these ops deprecated;
+    the warning is silenced here."""
+    return _int8_products(cpu.override())
+
+
+@lru_cache(maxsize=4)
+def _int8_products(isa: str | None) -> tuple[bool, str]:
     import warnings
 
     try:
         engine, bits = int8_engine()
         w = torch.linspace(-1, 1, 64).view(8, 8)
         x = torch.linspace(1, -1, 24).view(3, 8)
-        with warnings.catch_warnings(), quantized_engine(engine):
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantiz.*deprecated")
             scale = (w.abs().amax(1) / 127).double()
             q = torch.quantize_per_channel(w, scale, torch.zeros(8, dtype=torch.long), 0, torch.qint8)
-            packed = torch.ops.quantized.linear_prepack(q, None)
-        got = torch.ops.quantized.linear_dynamic(x, packed, bits == 7)
+            with quantized_engine(engine):
+                packed = torch.ops.quantized.linear_prepack(q, None)
+            got = torch.ops.quantized.linear_dynamic(x, packed, bits == 7)
     except (AttributeError, RuntimeError) as exc:  # the ops removed, or no quantized engine for this CPU
         log.debug("dynamic int8 products unavailable: %s", exc)
         return False, f"no dynamic int8 products in this torch here: {str(exc).splitlines()[0][:120]}"

@@ -4,16 +4,14 @@ and printed once, refused in one line where it cannot run (training, CUDA)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+import torch
 
 from elmo_core import BiLM, cpu
 from elmo_core import precision as precision_module
 from elmo_core.bilm.kernels import choice, fused_gates, int8
+from elmo_core.config import LstmConfig
 from elmo_core.precision import PrecisionError, resolve_precision
 from elmo_core.text.corpus import _prose_paragraphs
 from elmo_core.text.tokenize import split_sentences, unicode_tokens
@@ -53,35 +51,35 @@ def test_int8_holds_the_cosine_bar_on_real_text_with_the_tf_trained_model(allenn
     assert not all(np.array_equal(a, b) for a, b in zip(exact, quantized))  # it really ran int8 products
     # layer 0 is not quantized: bf16's own layer 0 where the CPU runs it in bf16, else fp32's
     assert f"layer 0 (char CNN, highway, projection) in {'bf16' if kernels.encoder_bf16 else 'fp32'}" in str(kernels)
-    layer_0 = bilm.embed_sentences(text[:20], precision="bf16") if kernels.encoder_bf16 else exact
+    layer_0 = bilm.embed_sentences(text, precision="bf16") if kernels.encoder_bf16 else exact
     for a, b in zip(layer_0, quantized):
         np.testing.assert_array_equal(a[0], b[0])
 
 
 @needs_int8
-def test_int8_activations_take_8_bits_and_layer_0_bf16_only_where_the_cpu_sums_int8_in_int32():
+def test_int8_activations_take_8_bits_and_layer_0_bf16_only_where_the_cpu_sums_int8_in_int32(monkeypatch):
     """VNNI (int8 dot products summed in int32): oneDNN with 8-bit activations, and layer 0 in bf16 where the CPU has
-    bf16 products too; an AVX2-only CPU (``ELMO_CPU_ISA=avx2``) keeps fbgemm's 7 bits, whose int16 sums 8 bits could
-    saturate, and layer 0 in fp32, whose margin on the cosine bar needs the 8th bit (``choice._encoder_bf16``)."""
-    code = (
-        "from elmo_core import precision; from elmo_core.bilm.kernels import choice; import torch; "
-        "from elmo_core.config import LstmConfig; "
-        "k = choice.choose(torch.device('cpu'), 'int8', LstmConfig()); "
-        "print(precision.int8_engine(), k.encoder_bf16)"
-    )
-    here = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    avx2 = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "ELMO_CPU_ISA": "avx2"},
-    )
-    assert avx2.stdout.split() == ["('x86',", "7)", "False"], avx2.stderr[-2000:]
+    bf16 products too; an x86 CPU without VNNI (``ELMO_CPU_ISA=avx2``, in the same process after the first choice)
+    keeps fbgemm's 7 bits, whose int16 sums 8 bits could saturate, and layer 0 in fp32, whose margin on the cosine
+    bar needs the 8th bit (``choice._encoder_bf16``). The weights are packed as chosen, the engine put back."""
+
+    def chosen() -> tuple[tuple[str, int], bool, bool]:
+        before = torch.backends.quantized.engine
+        weights = int8.Int8Weights(torch.randn(2, 16, 8))
+        assert torch.backends.quantized.engine == before
+        kernels = choice.choose(torch.device("cpu"), "int8", LstmConfig())
+        return precision_module.int8_engine(), weights.reduce_range, kernels.encoder_bf16
+
     vnni, native = cpu.facts().vnni, precision_module.cpu_has_native_bf16()
-    expected = ["('onednn',", "8)"] if vnni else avx2.stdout.split()[:2]
-    assert here.stdout.split() == [*expected, str(vnni and native)], here.stderr[-2000:]
+    engine, reduce_range, encoder_bf16 = chosen()
+    assert encoder_bf16 == (vnni and native)
+    if vnni:
+        assert engine == ("onednn", 8) and not reduce_range
+    if not cpu.facts().x86:
+        return
+    monkeypatch.setenv("ELMO_CPU_ISA", "avx2")
+    engine, reduce_range, encoder_bf16 = chosen()
+    assert engine[0] != "onednn" and engine[1] == 7 and reduce_range and not encoder_bf16
 
 
 @needs_int8

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from elmo_core import precision
 from elmo_core.bilm.kernels import int8
 from elmo_core.runtime import Output, Runtime
 from tests.helpers import ROOT, run_elmo
@@ -28,6 +29,7 @@ DECISIONS = {
     "pick_device": {"precision.py"},
     "resolve_precision": {"precision.py", "bilm/kernels/choice.py"},  # the kernel choice passes a Precision through
     "apply_thread_share": {"cpu.py"},
+    "int8_engine": {"precision.py", "bilm/kernels/int8.py", "bilm/kernels/choice.py"},  # what packs and what follows
     "set_num_threads": {"cpu.py"},  # apply_thread_share itself
     "download_model": {"tracking.py"},
     "registered_version": {"tracking.py"},
@@ -163,6 +165,7 @@ def test_int8_computes_its_products_in_int8_not_in_float32_on_dequantized_weight
     torch.manual_seed(0)
     w, x = torch.randn(2, 64, 32), torch.randn(2, 8, 32)
     kernel = int8.Int8Weights(w)
+    assert kernel.reduce_range == (precision.int8_engine()[1] == 7)  # the bits chosen, emulated below
     got = kernel(x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
