@@ -3,12 +3,12 @@
     .venv/bin/python bench/int8_engines.py [--rounds 3] [--rows 128 256 384]
 
 The shapes are the original ELMo's and ELMoForManyLangs' (P 512, H 4096), per direction: layer 0's recurrent product
-(rows x 512 @ 512 x 16,384), layer 1's input with its state (rows x 1,024 @ 1,024 x 16,384) and the projection
-(rows x 4,096 @ 4,096 x 512); the rows are those of a step of ``elmo embed``'s passes on long-tailed text (mostly
-128-511). The weights are quantized per output channel as ``kernels/int8.py`` does, once per engine. Each round
-times every shape on each engine in turn (best of the round's repeats); printed: the CPU, the median GOP/s per engine
-and shape, their ratio, and each engine's relative error against the float32 product. ``precision.int8_engine`` picks
-oneDNN with 8 bits only where the CPU has VNNI: without it, the 8-bit form can saturate (AVX2's int16 sums).
+(rows x 512 @ 512 x 16,384), layer 1's input with its state (rows x 1,024 @ 1,024 x 16,384) and the projection (rows x
+4,096 @ 4,096 x 512); the rows are those of a step of ``elmo embed``'s passes on long-tailed text (mostly 128-511). The
+weights are quantized per output channel as ``kernels/int8.py`` does (``precision.int8_packed``), once per engine. Each
+round times every shape on each engine in turn (best of the round's repeats); printed: the CPU, the median GOP/s per
+engine and shape, their ratio, and each engine's relative error against the float32 product. ``precision.int8_engine``
+picks oneDNN with 8 bits only where the CPU has VNNI: without it, the 8-bit form can saturate (AVX2's int16 sums).
 """
 
 from __future__ import annotations
@@ -25,17 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elmo_core import cpu  # noqa: E402
-from elmo_core.precision import quantized_engine  # noqa: E402
+from elmo_core.precision import INT8_DEPRECATED, int8_packed  # noqa: E402
 
 SHAPES = {"layer 0 recurrent": (512, 16384), "layer 1 input+state": (1024, 16384), "projection": (4096, 512)}
 ENGINES = {"fbgemm (x86), 7-bit": ("x86", True), "oneDNN, 8-bit": ("onednn", False)}
-
-
-def packed(engine: str, w: torch.Tensor) -> torch.ScriptObject:
-    scale = (w.abs().amax(1).clamp_min(1e-8) / 127).double()
-    q = torch.quantize_per_channel(w, scale, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
-    with quantized_engine(engine):
-        return torch.ops.quantized.linear_prepack(q, None)
 
 
 def main() -> None:
@@ -43,10 +36,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 256, 384])
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", message=".*quantiz.*deprecated")
+    warnings.filterwarnings("ignore", message=INT8_DEPRECATED)
     torch.manual_seed(0)
     weights = {shape: torch.randn(n, k) / k**0.5 for shape, (k, n) in SHAPES.items()}
-    prepared = {(e, s): packed(engine, w) for e, (engine, _) in ENGINES.items() for s, w in weights.items()}
+    prepared = {(e, s): int8_packed(w, engine) for e, (engine, _) in ENGINES.items() for s, w in weights.items()}
     inputs = {(s, m): torch.randn(m, k).clamp(-3, 3) for s, (k, _) in SHAPES.items() for m in args.rows}
     rates: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.rounds):

@@ -1,7 +1,7 @@
 """``precision: int8`` against fp32 in the same run: PyTorch's dynamic quantization of the LSTM step's products
 (``elmo_core/bilm/kernels/int8.py``: int8 weights per output channel, activations quantized per call; oneDNN with
-8-bit activations where the CPU has VNNI, else fbgemm with 7) against today's fp32 kernels (oneDNN-packed products, C gates). Per-token cosine to fp32 on real text
-in every layer (the TF-trained fixture model), and tokens/s on the original shape.
+8-bit activations where the CPU has VNNI, else fbgemm with 7) against today's fp32 kernels (oneDNN-packed products,
+C gates). Per-token cosine to fp32 on real text in every layer (the TF-trained fixture model), and tokens/s on the original shape.
 
     .venv/bin/python bench/int8_inference.py [--sentences 60] [--quality-sentences 400]
     ELMO_CPU_ISA=avx2 .venv/bin/python bench/int8_inference.py   # as on an AVX2-only CPU (torch held to AVX2)

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from functools import lru_cache
 
@@ -163,6 +164,7 @@ def resolve_precision(precision: str, device: torch.device | str) -> Precision:
 # as ``ELMO_CPU_ISA=avx2`` does; then fbgemm's 7 bits are the safe choice)
 _ONEDNN_UNHELD = frozenset({"", "ALL", "DEFAULT"})
 _PACKING = threading.Lock()  # the quantized engine is process-wide: one packing swaps it at a time
+INT8_DEPRECATED = ".*quantiz.*deprecated"  # PyTorch 2.13's warning on the quantized tensors the int8 ops rest on
 
 
 def int8_engine() -> tuple[str, int]:
@@ -200,6 +202,18 @@ def quantized_engine(name: str) -> Iterator[None]:
             torch.backends.quantized.engine = before
 
 
+def int8_packed(w: torch.Tensor, engine: str) -> torch.ScriptObject:
+    """w (N, K) as int8 per output channel (symmetric: each row's scale its largest magnitude / 127), packed for
+    ``engine``'s dynamic products: what ``kernels/int8.py`` runs and ``int8_products`` probes. PyTorch's deprecation
+    warning is silenced here."""
+    with warnings.catch_warnings(), quantized_engine(engine):
+        warnings.filterwarnings("ignore", message=INT8_DEPRECATED)
+        w = w.detach().float().contiguous()
+        scale = (w.abs().amax(1).clamp_min(1e-8) / 127).double()
+        q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(q, None)
+
+
 def int8_products() -> tuple[bool, str]:
     """Whether this torch runs dynamic int8 products on this CPU (what ``precision: int8`` runs, ``kernels/int8.py``),
     and why not: one tiny product on ``int8_engine``, checked once per ``ELMO_CPU_ISA`` against float32 (a wrong
@@ -210,18 +224,13 @@ def int8_products() -> tuple[bool, str]:
 
 @lru_cache(maxsize=4)
 def _int8_products(isa: str | None) -> tuple[bool, str]:
-    import warnings
-
     try:
         engine, bits = int8_engine()
         w = torch.linspace(-1, 1, 64).view(8, 8)
         x = torch.linspace(1, -1, 24).view(3, 8)
+        packed = int8_packed(w, engine)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantiz.*deprecated")
-            scale = (w.abs().amax(1) / 127).double()
-            q = torch.quantize_per_channel(w, scale, torch.zeros(8, dtype=torch.long), 0, torch.qint8)
-            with quantized_engine(engine):
-                packed = torch.ops.quantized.linear_prepack(q, None)
+            warnings.filterwarnings("ignore", message=INT8_DEPRECATED)
             got = torch.ops.quantized.linear_dynamic(x, packed, bits == 7)
     except (AttributeError, RuntimeError) as exc:  # the ops removed, or no quantized engine for this CPU
         log.debug("dynamic int8 products unavailable: %s", exc)

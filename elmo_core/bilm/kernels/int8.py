@@ -19,7 +19,6 @@ warning is expected here and silenced where the weights are made; a torch withou
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 from torch import Tensor
@@ -27,8 +26,6 @@ from torch import Tensor
 from elmo_core import precision
 
 log = logging.getLogger(__name__)
-
-_DEPRECATED = ".*quantiz.*deprecated"
 
 
 def available() -> bool:
@@ -49,14 +46,7 @@ class Int8Weights:
     def __init__(self, weights: Tensor) -> None:
         engine, bits = precision.int8_engine()
         self.reduce_range = bits == 7  # AVX2's int16 sums (module docstring)
-        self.packed = []
-        with warnings.catch_warnings(), precision.quantized_engine(engine):
-            warnings.filterwarnings("ignore", message=_DEPRECATED)
-            for w in weights.detach().float().unbind(0):
-                scale = (w.abs().amax(1).clamp_min(1e-8) / 127).double()  # symmetric, per output channel
-                zero = torch.zeros(w.shape[0], dtype=torch.long)
-                q = torch.quantize_per_channel(w.contiguous(), scale, zero, 0, torch.qint8)
-                self.packed.append(torch.ops.quantized.linear_prepack(q, None))
+        self.packed = [precision.int8_packed(w, engine) for w in weights.unbind(0)]
         self.out_features = weights.shape[1]
 
     def products(self, x: Tensor) -> list[Tensor]:
