@@ -97,7 +97,9 @@ def test_a_sentence_gets_the_same_vectors_from_every_command(tmp_path, allennlp_
     rows = table[table.text == " ".join(SENTENCE)].sort_values("token_index")
     from_table = np.stack([np.stack(rows[f"layer_{k}"].to_numpy()) for k in range(3)])
 
-    server = BatchEmbedder(str(allennlp_dir))
+    from elmo_core.runtime import resolve_model
+
+    server = BatchEmbedder(resolve_model(str(allennlp_dir)).pinned(), "auto", "fp32", 4096)
     answer = server.run(Batch(1, [OTHERS[0], SENTENCE], [0, 0], [Asked("layers", encoding="base64")]))
     import base64
 
@@ -194,7 +196,7 @@ def test_a_registered_model_is_downloaded_once_per_machine(tmp_path, allennlp_di
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "ELMO_CACHE_DIR": str(tmp_path / "cache")}
     code = (
         "import json, sys; from elmo_core.runtime import resolve_model; r = resolve_model(sys.argv[1]); "
-        "print(json.dumps([r.origin, str(r.options), r.model_id]))"
+        "print(json.dumps([r.origin, str(r.options), r.model_id, r.exact, r.name]))"
     )
 
     def resolve(reference: str) -> list[str]:
@@ -205,10 +207,10 @@ def test_a_registered_model_is_downloaded_once_per_machine(tmp_path, allennlp_di
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     first = resolve("models:/cached/latest")
-    assert first[0].startswith("models:/cached/1 now, downloaded in")
+    assert first[0].startswith("downloaded in") and first[3:] == ["models:/cached/1", "models:/cached/1"]
     shutil.rmtree(tmp_path / "mlartifacts")  # the store's copy is gone; the machine's stays
     for reference in ("models:/cached/1", "models:/cached@champion", "models:/cached/latest"):
-        origin, options, model_id = resolve(reference)
-        assert "cached in" in origin and options == first[1] and model_id == first[2], reference
+        origin, options, model_id, exact, _ = resolve(reference)
+        assert "cached in" in origin and [options, model_id, exact] == [first[1], first[2], first[3]], reference
     entries = [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]
     assert len(entries) == 1

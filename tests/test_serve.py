@@ -150,8 +150,11 @@ def test_layers_mix_mean_and_both_encodings(server: str, bilm: BiLM) -> None:
 
 def test_openai_embeddings_schema(server: str, bilm: BiLM) -> None:
     texts = ["I ate an apple .", "Apple shares rose ."]
-    answer = httpx.post(f"{server}/v1/embeddings", json={"input": texts, "model": "elmo"}).json()
-    assert answer["object"] == "list" and answer["model"] == "elmo"
+    response = httpx.post(f"{server}/v1/embeddings", json={"input": texts, "model": "elmo"})
+    answer = response.json()
+    # the model that made the vectors, exactly, whatever name the client sent (OpenAI's answers name theirs too)
+    assert answer["object"] == "list" and answer["model"] == "allennlp_elmo" == response.headers["x-elmo-model"]
+    assert response.headers["x-elmo-model-id"] == httpx.get(f"{server}/info").json()["identity"]["model_id"]
     assert answer["usage"] == {"prompt_tokens": 9, "total_tokens": 9, "truncated": 0}
     means = [x.mean(0).mean(0) for x in bilm.embed_sentences([t.split() for t in texts])]
     want = [m / np.linalg.norm(m) for m in means]  # unit length by default, as OpenAI's vectors are

@@ -160,8 +160,9 @@ class Runtime:
     def facts(self) -> dict[str, Any]:
         """The same decisions as fields (the server's ``/info``, a run's parameters)."""
         return {
-            "model": self.model.asked,
+            "model": self.model.name,
             "model_id": self.model.model_id,
+            "identity": self.model.identity(),
             "origin": self.model.origin,
             "device": str(self.device),
             "precision": str(self.precision),

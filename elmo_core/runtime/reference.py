@@ -14,7 +14,10 @@ A registered model is downloaded once per machine into the download cache (``$EL
 ``$XDG_CACHE_HOME/elmo``, else ``~/.cache/elmo``), keyed by what identifies its files: the store, the name, the
 version, the run that made it and when it was registered (a version number alone repeats when a store is made
 anew). ``latest`` and aliases are asked of the registry on every resolve, so they follow the registry; the files of
-the version they name are downloaded only the first time. Concurrent resolvers wait for one download (a lock per
+the version they name are downloaded only the first time. A job or a server therefore resolves its reference once,
+when it plans, and keeps the ``ModelRef`` (or its ``exact`` reference, which names the same files for ever): every
+process it starts, and every restart of one, loads that, never ``latest`` again (``pin_reference`` for options
+that travel as strings). Concurrent resolvers wait for one download (a lock per
 entry); an entry appears whole (downloaded beside, then renamed), so a killed download leaves nothing it could
 mistake for a model.
 
@@ -25,6 +28,7 @@ times of its files: every command then opens that folder as any other, and only 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -49,13 +53,21 @@ REGISTERED = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[^/]+)|@(?P<a
 
 @dataclass(frozen=True)
 class ModelRef:
-    """One model's files on this machine, and how they were found (``origin``, for the run's line)."""
+    """One model's files on this machine, how they were found (``origin``, for the run's line), and the exact model
+    they are: ``exact`` names the same files whenever it is resolved again (``models:/NAME/N`` for ``latest`` or an
+    alias, the absolute folder for a folder), and a registered model keeps its name, version and the run that made
+    it. Pickled whole to the processes a job or server starts, so that none of them resolves the reference again."""
 
     asked: str
     options: Path
     weights: Path
     vocab: Path | None
     origin: str
+    exact: str = ""
+    registered: str | None = None  # the registered model's name
+    version: str | None = None  # its version
+    run_id: str | None = None  # the MLflow run that logged it
+    digest: str | None = None  # ``model_id`` as it was when pinned (``pinned``), checked by ``check_unchanged``
 
     @property
     def directory(self) -> Path:
@@ -63,7 +75,10 @@ class ModelRef:
 
     @property
     def name(self) -> str:
-        """A short name for logs and ``/info``: the URI as asked, else the folder's name."""
+        """A short name for logs and ``/info``: the exact registered version (``models:/elmo/3`` where
+        ``models:/elmo/latest`` was asked), the URI as asked, else the folder's name."""
+        if self.version is not None:
+            return self.exact
         return self.asked if tracking.is_model_uri(self.asked) else Path(self.asked).resolve().name
 
     @property
@@ -71,8 +86,35 @@ class ModelRef:
         """A short content hash of options.json + weights.hdf5: which model made a vector (tables keep it)."""
         return _content_id(self.options, self.weights, *_stamp(self.options), *_stamp(self.weights))
 
+    def identity(self) -> dict[str, str | None]:
+        """What names this model exactly, for a job's record, a run's tags and a server's ``/info``: the reference
+        as asked, what it resolved to, the registered name, version and run, and the content hash."""
+        return {
+            "asked": self.asked,
+            "exact": self.exact or self.asked,
+            "registered_model": self.registered,
+            "version": self.version,
+            "run_id": self.run_id,
+            "model_id": self.model_id,
+        }
+
+    def pinned(self) -> ModelRef:
+        """This model with its content hash recorded now (``digest``): what a server hands its model processes, so
+        that a restart finds out where the files under the same path became another model's."""
+        return dataclasses.replace(self, digest=self.model_id)
+
+    def check_unchanged(self) -> None:
+        """Refused in one line where the files are no longer those hashed into ``digest`` (a folder rewritten in
+        place by a new export): a process started later must not load another model under the same name."""
+        if self.digest is not None and self.model_id != self.digest:
+            raise InputError(
+                f"{self.directory}: its files changed since {self.asked} was resolved (id {self.digest}, now "
+                f"{self.model_id}); start again to use the new model"
+            )
+
     def line(self) -> str:
-        return f"model {self.asked} ({self.origin}; id {self.model_id})"
+        resolved = f"{self.exact}, " if self.exact and self.exact != self.asked and self.version else ""
+        return f"model {self.asked} ({resolved}{self.origin}; id {self.model_id})"
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -119,7 +161,8 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
     if not weights.exists():
         raise InputError(f"{weights}: no such weight file" + (" (--weight-file)" if weight_file else ""))
     origin = "a model directory" if path.is_dir() else "published files"
-    return ModelRef(reference, options, weights, vocab, origin)
+    exact = str(path.resolve()) if path.is_dir() else reference
+    return ModelRef(reference, options, weights, vocab, origin, exact)
 
 
 def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:
@@ -145,16 +188,34 @@ def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:
                 convert_release(folder, entry)
                 how = "converted"
     options, weights, vocab = resolve_model_files(entry)
-    return ModelRef(asked, options, weights, vocab, f"an ELMoForManyLangs release, {how} in {entry}")
+    origin = f"an ELMoForManyLangs release, {how} in {entry}"
+    return ModelRef(asked, options, weights, vocab, origin, str(folder.resolve()))
 
 
-def _registered(uri: str) -> ModelRef:
+def _registered_facts(uri: str) -> dict[str, str]:
+    """The registry's answer for ``uri`` now: name, version, run, when registered, store."""
     match = REGISTERED.match(uri)
     if match is None:
         raise InputError(f"{uri}: expected models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
-    facts = tracking.registered_version(match["name"], match["version"], match["alias"])
-    exact = f"models:/{facts['name']}/{facts['version']}"
-    return _downloaded(uri, exact, facts)
+    return tracking.registered_version(match["name"], match["version"], match["alias"])
+
+
+def _registered(uri: str) -> ModelRef:
+    facts = _registered_facts(uri)
+    return _downloaded(uri, f"models:/{facts['name']}/{facts['version']}", facts)
+
+
+def pin_reference(reference: str) -> str:
+    """The reference that names, for ever, the model ``reference`` names now: ``models:/NAME/N`` for
+    ``models:/NAME/latest`` or an alias (one look at the registry, no download); any other reference as it is (a
+    version number, a run's model, a folder and files name the same thing each time they are read). An option that
+    travels as a string to other processes (a training's ``init_from`` to its ranks, a probe's model) is pinned
+    once, when its job plans, so that no process of the job asks the registry again."""
+    match = REGISTERED.match(reference) if reference.startswith("models:/") else None
+    if match is None or (match["version"] is not None and match["version"] != "latest"):
+        return reference
+    facts = _registered_facts(reference)
+    return f"models:/{facts['name']}/{facts['version']}"
 
 
 def _downloaded(asked: str, exact: str, facts: dict[str, str]) -> ModelRef:
@@ -171,8 +232,9 @@ def _downloaded(asked: str, exact: str, facts: dict[str, str]) -> ModelRef:
                 how = "downloaded"
     found = entry / json.loads((entry / "model.json").read_text())["folder"]
     options, weights, vocab = resolve_model_files(found)
-    origin = f"{exact}, {how} in {entry}" if exact == asked else f"{exact} now, {how} in {entry}"
-    return ModelRef(asked, options, weights, vocab, origin)
+    origin = f"{how} in {entry}"
+    run_id = facts.get("run_id") or None
+    return ModelRef(asked, options, weights, vocab, origin, exact, facts.get("name"), facts.get("version"), run_id)
 
 
 def _fetch(uri: str, entry: Path, identity: str) -> None:

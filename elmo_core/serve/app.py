@@ -5,14 +5,17 @@
     GET  /v1/models       OpenAI's model list: the one model served
     GET  /health          200 while a model process can answer (or is loading); 503 when none can
     GET  /ready           200 once a model process is warm; 503 before, and from SIGTERM on
-    GET  /info            the model, its shape, the precision and kernels that run, the limits
+    GET  /info            the exact model (version, run, content hash), its shape, precision, kernels, limits
+    POST /reload          resolve the reference again and switch to what it names now, once warm (also SIGHUP)
     GET  /metrics         Prometheus text
 
 A body is read up to ``--max-body-bytes`` before anything parses it, and not at all when the queue is full
 (``Gate``); with an API key every route but /health and /ready (and /metrics with ``--metrics-open``) wants
 ``Authorization: Bearer KEY``, compared in constant time. A request whose client disconnects leaves the queue (its
 sentences are skipped, answers already computing are dropped). Every request has an id (``X-Request-ID``, the
-client's or a new one, echoed) and one JSON line in the access log (``AccessLog``).
+client's or a new one, echoed) and one JSON line in the access log (``AccessLog``). Every answer names the exact
+model that computed it (``X-Elmo-Model``: ``models:/elmo/3`` where ``models:/elmo/latest`` was served;
+``X-Elmo-Model-Id``: its content hash), as do its body's ``model`` and its access-log line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -65,8 +69,10 @@ ERRORS = {
 # A refused body is read and thrown away up to this many bytes before the answer, where the connection ends with the
 # answer: past it, the answer goes out at once (the client may then see a reset instead of reading it).
 DISCARD_BYTES = 64 << 20
+MODEL_HEADER, MODEL_ID_HEADER = "X-Elmo-Model", "X-Elmo-Model-Id"  # on every answer: the exact model that made it
 ACCESS_SCOPE_KEY = "elmo.access"  # where a route leaves what the access log line says about its work
 access_log = logging.getLogger("elmo_core.serve.access")
+log = logging.getLogger(__name__)
 
 
 def _closes_after(scope: dict) -> bool:
@@ -222,19 +228,34 @@ def _error_response(error: RequestError) -> JSONResponse:
 
 
 class Server:
-    """What the routes share: the options, the metrics, the queue, the model processes, the model's facts."""
+    """What the routes share: the options, the metrics, the queue, the model processes, the model's facts. The model
+    reference is resolved once, here (``resolve_model``), to the exact model every process of the pool loads; only a
+    reload (``reload``: SIGHUP or ``POST /reload``) resolves it again, and switches to another pool when it is warm."""
 
     def __init__(self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         self.config, self.resolve_model, self.on_fatal = config, resolve_model, on_fatal
         self.metrics = ServerMetrics()
         self.tokenize = get_tokenizer(config.tokenizer)
         self.batcher: Batcher | None = None
-        self.pool: WorkerPool | None = None
         self.state = "starting"
-        self.model_name = config.model  # the runtime's short name once resolved (``ModelRef.name``)
         self.options: dict[str, Any] = {}
         self.created = int(time.time())  # /v1/models' "created"
         self.draining = False  # SIGTERM came: /ready answers 503 while requests are still served
+        self.reloading: dict[str, Any] | None = None  # a reload under way: from, to, since
+        self.last_reload: dict[str, Any] | None = None  # how the last one ended
+        self._call: Callable[..., Any] | None = None
+        self._reload_lock = threading.Lock()
+
+    @property
+    def pool(self) -> WorkerPool | None:
+        """The pool that answers new requests."""
+        return self.batcher.pool if self.batcher is not None else None
+
+    @property
+    def model_name(self) -> str:
+        """The exact model new requests are answered with (``models:/elmo/3`` where ``latest`` was asked), once
+        resolved; the reference as given before."""
+        return self.pool.model.name if self.pool is not None else self.config.model
 
     async def start(self) -> None:
         config = self.config
@@ -242,30 +263,89 @@ class Server:
             config.max_batch_tokens, config.max_wait_ms, config.max_queue_tokens, config.batching, config.batch_timeout
         )
         loop = asyncio.get_running_loop()
-        self.batcher = Batcher(limits, self.metrics, self.on_fatal)
-        threading.Thread(target=self._start_workers, args=(loop.call_soon_threadsafe,), daemon=True).start()
+        self.batcher = Batcher(limits, self.metrics, self.on_fatal, self._switched)
+        self._call = loop.call_soon_threadsafe
+        threading.Thread(target=self._start_workers, daemon=True).start()
 
-    def _start_workers(self, call: Callable[..., Any]) -> None:
-        """Off the event loop: fetch the model where it is a URI (MLflow), then start the model processes."""
+    def _plan(self, model: Any) -> WorkerPlan:
+        config = self.config
+        return WorkerPlan(model, config.device, config.precision, config.workers, config.max_batch_tokens)
+
+    def _start_workers(self) -> None:
+        """Off the event loop: resolve the model once (a registered one lands in the download cache) and pin it with
+        its content hash, then start the model processes, which all load exactly that."""
         try:
             self.state = "fetching the model"
-            model = self.resolve_model()  # the runtime's resolver: a registered model lands in the download cache
+            model = self.resolve_model().pinned()
             self.options = json.loads(model.options.read_text())
-            self.model_name = model.name
         except Exception as exc:  # one line, and the server stops
-            call(self.batcher.fatal, f"the model cannot be loaded: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+            message = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            self._call(self.batcher.fatal, f"the model cannot be loaded: {message}")  # type: ignore[misc, union-attr]
             return
-        config = self.config
-        # each model process resolves the same reference again through the runtime (a cache hit, no download)
-        plan = WorkerPlan(config.model, config.weight_file, config.device, config.precision, config.workers)
-        self.pool = WorkerPool(plan, self.batcher, call)  # type: ignore[arg-type]
-        self.batcher.pool = self.pool  # type: ignore[union-attr]
+        log.info("serving %s (id %s, %s)", model.name, model.digest, model.origin)
+        pool = WorkerPool(self._plan(model), self.batcher, self._call)  # type: ignore[arg-type]
+        self.batcher.pool = pool  # type: ignore[union-attr]
         self.state = "loading the model"
-        self.pool.start()
+        pool.start()
+
+    async def reload(self) -> dict[str, Any]:
+        """Resolve the reference again; where it names another model now, load it in a new pool beside the serving
+        one, which the batcher switches to once all of it is warm. What happened, as ``/reload`` answers it."""
+        if self.pool is None:
+            return {"reloading": False, "why": "the model is still loading"}
+        if not self._reload_lock.acquire(blocking=False):
+            return {"reloading": True, **(self.reloading or {}), "why": "a reload is already under way"}
+        try:
+            if self.reloading is not None:
+                return {"reloading": True, **self.reloading, "why": "a reload is already under way"}
+            current = self.pool.model
+            try:
+                model = (await asyncio.to_thread(self.resolve_model)).pinned()
+            except Exception as exc:  # the store is away, the name is gone: the serving pool goes on
+                why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+                log.error("reload: %s cannot be resolved (%s); still serving %s", self.config.model, why, current.name)
+                self.last_reload = {"ok": False, "why": why, "time": time.time()}
+                return {"reloading": False, "model": current.name, "why": f"cannot be resolved: {why}"}
+            if (model.exact, model.digest) == (current.exact, current.digest):
+                why = f"{self.config.model} still names {current.name} (id {current.digest})"
+                log.info("reload: %s; nothing to do", why)
+                return {"reloading": False, "model": current.name, "why": why}
+            generation = self.pool.generation + 1
+            self.reloading = {"from": current.name, "to": model.name, "to_id": model.digest, "since": time.time()}
+            log.info(
+                "reload: %s now names %s (id %s); loading it in new model processes beside %s",
+                self.config.model,
+                model.name,
+                model.digest,
+                current.name,
+            )
+            pool = WorkerPool(self._plan(model), self.batcher, self._call, generation, self._reload_failed)  # type: ignore[arg-type]
+            self.batcher.begin_reload(pool)  # type: ignore[union-attr]
+            return {"reloading": True, **self.reloading}
+        finally:
+            self._reload_lock.release()
+
+    def _switched(self, new: WorkerPool, old: WorkerPool | None) -> None:
+        self.options = json.loads(new.model.options.read_text())
+        self.reloading = None
+        self.last_reload = {"ok": True, "from": old.model.name if old else None, "to": new.model.name}
+        self.last_reload["time"] = time.time()
+        log.info("reload: switched to %s (id %s); %s finishes what it began", new.model.name, new.model.digest,
+                 old.model.name if old else "nothing")
+
+    def _reload_failed(self, message: str) -> None:
+        target = (self.reloading or {}).get("to")
+        log.error("reload: %s cannot run (%s); still serving %s", target, message, self.model_name)
+        self.reloading = None
+        self.last_reload = {"ok": False, "to": target, "why": message, "time": time.time()}
+        self.batcher.reload_failed(message)  # type: ignore[union-attr]
 
     async def stop(self) -> None:
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.stop)
+        if self.batcher is None:
+            return
+        pools = [p for p in (self.batcher.pool, self.batcher.incoming, *self.batcher.retiring) if p is not None]
+        for pool in pools:
+            await asyncio.to_thread(pool.stop)
 
     @property
     def layers(self) -> int | None:
@@ -346,7 +426,10 @@ class Server:
         gone.cancel()
         answer = work.result()
         request.scope[ACCESS_SCOPE_KEY].update(
-            queue_ms=round(answer.queue_seconds * 1000, 2), compute_ms=round(answer.compute_seconds * 1000, 2)
+            queue_ms=round(answer.queue_seconds * 1000, 2),
+            compute_ms=round(answer.compute_seconds * 1000, 2),
+            model=answer.pool.model.name,  # type: ignore[union-attr]
+            model_id=answer.pool.model.digest,  # type: ignore[union-attr]
         )
         return answer
 
@@ -366,9 +449,14 @@ class Server:
         limits = ("max_batch_tokens", "max_wait_ms", "max_queue_tokens", "max_sentence_tokens", "max_sentences")
         limits += ("max_request_tokens",)
         limits += ("max_answer_floats", "max_body_bytes", "batching", "batch_timeout", "drain_delay", "drain_seconds")
+        serving = self.pool.model if self.pool is not None else None
         return {
             "model": self.model_name,
             "source": config.model,
+            "identity": {**serving.identity(), "digest": serving.digest} if serving is not None else None,
+            "generation": self.pool.generation if self.pool is not None else 0,
+            "reloading": self.reloading,
+            "last_reload": self.last_reload,
             "ready": self.ready,
             "shape": {
                 "layers": self.layers,
@@ -434,12 +522,13 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     answer = await server.embed(request, sentences, spec)
     if answer is None:
         return _left(request, "/embed")
-    head = {"model": server.model_name, "output": body.output, "dtype": body.dtype}
+    model = answer.pool.model  # type: ignore[union-attr]
+    head = {"model": model.name, "model_id": model.digest, "output": body.output, "dtype": body.dtype}
     usage = {"tokens": sum(len(s) for s in sentences), "truncated": truncated}
     build, media = (binary_body, BINARY_MEDIA_TYPE) if spec.encoding == "binary" else (embed_body, "application/json")
     content = build(head, sentences, answer.shapes, answer.embeddings, usage)
     server.metrics.answered("/embed", 200, time.monotonic() - started)
-    return Response(content, media_type=media)
+    return Response(content, media_type=media, headers=model_headers(answer))
 
 
 @guarded.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=ERRORS)
@@ -466,9 +555,16 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
         return _left(request, "/v1/embeddings")
     tokens = sum(len(s) for s in sentences)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "truncated": truncated}
-    content = openai_body(body.model or server.model_name, answer.embeddings, usage)
+    content = openai_body(answer.pool.model.name, answer.embeddings, usage)  # type: ignore[union-attr]
     server.metrics.answered("/v1/embeddings", 200, time.monotonic() - started)
-    return Response(content, media_type="application/json")
+    return Response(content, media_type="application/json", headers=model_headers(answer))
+
+
+def model_headers(answer: Admitted) -> dict[str, str]:
+    """Which model computed this answer, exactly: its version (``models:/elmo/3``, or the folder's name) and content
+    hash. During a reload two versions answer, each request from one; the headers say which."""
+    model = answer.pool.model  # type: ignore[union-attr]
+    return {MODEL_HEADER: model.name, MODEL_ID_HEADER: model.digest or model.model_id}
 
 
 @guarded.get("/v1/models")
@@ -477,6 +573,17 @@ async def models(request: Request) -> dict[str, Any]:
     server = _server(request)
     card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "elmo-pipeline"}
     return {"object": "list", "data": [card]}
+
+
+@guarded.post("/reload")
+async def reload(request: Request) -> JSONResponse:
+    """Resolve the served reference again (``models:/elmo@champion``, ``/latest``) and, where it names another model
+    now, load that in new model processes and switch to them once all are warm (what SIGHUP does). 202 while it
+    loads, 200 where there is nothing to do, 409 while the model first loads."""
+    server = _server(request)
+    result = await server.reload()
+    status = 202 if result.get("reloading") else (409 if server.pool is None else 200)
+    return JSONResponse(result, status_code=status)
 
 
 @router.get("/health")
@@ -538,6 +645,11 @@ def create_app(config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await server.start()
+        loop = asyncio.get_running_loop()
+        try:  # SIGHUP reloads, as it does for nginx and HAProxy; not where signals cannot be set (a thread, Windows)
+            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.reload()))
+        except (NotImplementedError, RuntimeError, ValueError, AttributeError):
+            pass
         yield
         await server.stop()
 

@@ -9,6 +9,12 @@ batch of at most ``max_batch_tokens`` tokens, across requests; a batch with room
 accumulate, so batches grow with the load by themselves. With batching off, a batch holds one request's sentences
 (what serving one request per forward pass costs).
 
+One model version answers a request: its sentences all go to the pool that took its first one. A reload starts
+another pool (``incoming``) beside the serving one; when every process of it is warm the batcher switches to it at
+once: requests not yet begun go to the new pool, those already begun finish on the old one, which is stopped when
+its last batch is answered. Between the switch and the old pool's last answer both versions answer, each request
+from one of them and each answer naming its own; at no other time do two answer.
+
 Everything here runs in the event loop's thread; the pool's reader threads reach it through ``call_soon_threadsafe``.
 """
 
@@ -49,6 +55,7 @@ class Request:
     remaining: int = 0
     unsent: int = 0  # sentences not yet handed to a model process
     over: bool = False  # answered, failed or dropped: its sentences still queued are skipped
+    pool: WorkerPool | None = None  # the pool (one model version) that answers it, from its first batch on
     queue_seconds: float = 0.0  # arrival to its last sentence's batch leaving the queue (the access log's queue ms)
     compute_seconds: float = 0.0  # the model processes' time on the batches that held its sentences
 
@@ -72,9 +79,17 @@ class Pending:
 
 
 class Batcher(WorkerEvents):
-    def __init__(self, limits: Limits, metrics: ServerMetrics, on_fatal: Callable[[str], None]) -> None:
-        self.limits, self.metrics, self.on_fatal = limits, metrics, on_fatal
-        self.pool: WorkerPool | None = None
+    def __init__(
+        self,
+        limits: Limits,
+        metrics: ServerMetrics,
+        on_fatal: Callable[[str], None],
+        on_switch: Callable[[WorkerPool, WorkerPool | None], None] = lambda new, old: None,
+    ) -> None:
+        self.limits, self.metrics, self.on_fatal, self.on_switch = limits, metrics, on_fatal, on_switch
+        self.pool: WorkerPool | None = None  # the pool new requests go to
+        self.incoming: WorkerPool | None = None  # a reload's pool, warming up beside it
+        self.retiring: list[WorkerPool] = []  # pools switched from, finishing the requests they began
         self.waiting: deque[Pending] = deque()
         self.waiting_tokens = 0
         self.queued_tokens = 0  # admitted and not yet over: waiting or computing
@@ -140,8 +155,9 @@ class Batcher(WorkerEvents):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self.pool is not None and self._drop_dropped_head():
-            worker = self.pool.idle()
+        while self._drop_dropped_head():
+            pool = self.waiting[0].request.pool or self.pool  # a request begun on a pool ends on it
+            worker = pool.idle() if pool is not None else None
             if worker is None:
                 return
             if self.limits.batching and self.waiting_tokens < self.limits.max_batch_tokens:
@@ -150,7 +166,7 @@ class Batcher(WorkerEvents):
                 if delay > 0:  # room left: wait for company, at most until the oldest has waited max_wait_ms
                     self._timer = self._loop.call_later(delay, self._dispatch)
                     return
-            self._send(worker, self._take())
+            self._send(worker, self._take(pool))  # type: ignore[arg-type]
 
     def _drop_dropped_head(self) -> bool:
         """Skip the sentences of requests already over; True while any sentence waits."""
@@ -158,8 +174,9 @@ class Batcher(WorkerEvents):
             self.waiting_tokens -= self.waiting.popleft().tokens
         return bool(self.waiting)
 
-    def _take(self) -> list[Pending]:
-        """The head's sentences up to ``max_batch_tokens`` (at least one); with batching off, one request's."""
+    def _take(self, pool: WorkerPool) -> list[Pending]:
+        """The head's sentences up to ``max_batch_tokens`` (at least one); with batching off, one request's; only
+        those of requests that ``pool`` answers or that have not begun (which it then answers)."""
         taken: list[Pending] = []
         tokens = 0
         first = self.waiting[0].request
@@ -171,8 +188,10 @@ class Batcher(WorkerEvents):
             if taken and (
                 tokens + pending.tokens > self.limits.max_batch_tokens
                 or (not self.limits.batching and pending.request is not first)
+                or pending.request.pool not in (None, pool)
             ):
                 break
+            pending.request.pool = pool
             taken.append(self.waiting.popleft())
             tokens += pending.tokens
         self.waiting_tokens -= tokens
@@ -210,8 +229,41 @@ class Batcher(WorkerEvents):
 
     # --- what the model processes report (WorkerEvents) ----------------------------------------------------
     def worker_ready(self, worker: Worker) -> None:
+        if worker.pool is not None and worker.pool is self.incoming and self.incoming.all_ready:
+            self._switch()
         self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
         self._dispatch()
+
+    # --- a reload: another pool beside this one, switched to when all of it is warm ------------------------------
+    def begin_reload(self, pool: WorkerPool) -> None:
+        """Start ``pool`` (another model version) beside the serving one; ``worker_ready`` switches when it is warm."""
+        self.incoming = pool
+        pool.start()
+
+    def reload_failed(self, message: str) -> None:
+        """The reload's pool cannot run its model: it is stopped, and the serving pool goes on as it was."""
+        pool, self.incoming = self.incoming, None
+        if pool is not None:
+            pool.closing = True
+            asyncio.ensure_future(asyncio.to_thread(pool.stop))
+
+    def _switch(self) -> None:
+        new, old = self.incoming, self.pool
+        self.pool, self.incoming = new, None
+        if old is not None:
+            self.retiring.append(old)
+        self.on_switch(new, old)  # type: ignore[arg-type]
+        self._retire()
+
+    def _retire(self) -> None:
+        """Stop the pools switched from that have nothing left to answer (no batch computing, no sentence waiting
+        of a request they began)."""
+        for pool in list(self.retiring):
+            if pool.busy or any(p.request.pool is pool and not p.request.over for p in self.waiting):
+                continue
+            self.retiring.remove(pool)
+            pool.closing = True  # its processes' ends are no deaths to restart
+            asyncio.ensure_future(asyncio.to_thread(pool.stop))
 
     def batch_done(self, worker: Worker, answer: Answer) -> None:
         pendings = self._finish_batch(answer.id)
@@ -228,6 +280,7 @@ class Batcher(WorkerEvents):
             if request.remaining == 0 and not request.future.done():
                 request.future.set_result(request)
         self._dispatch()
+        self._retire()
 
     def _fail(self, pendings: list[Pending], error: RequestError) -> None:
         for pending in pendings:
@@ -237,10 +290,11 @@ class Batcher(WorkerEvents):
     def batch_failed(self, worker: Worker, batch_id: int, message: str) -> None:
         self._fail(self._finish_batch(batch_id), RequestError(f"the model failed on this request's batch: {message}"))
         self._dispatch()
+        self._retire()
 
     def worker_lost(self, worker: Worker, batch: Batch | None, exitcode: int | None) -> None:
         self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
-        if self.pool is not None and not self.pool.closing:
+        if worker.pool is not None and not worker.pool.closing:
             self.metrics.worker_restarts.inc()
         if batch is not None:
             why = worker.killed_why or f"died (exit code {exitcode})"
@@ -249,6 +303,7 @@ class Batcher(WorkerEvents):
                 {"Retry-After": "1"},
             )
             self._fail(self._finish_batch(batch.id), error)
+        self._retire()
 
     def fatal(self, message: str) -> None:
         """The model cannot run here: fail everything and stop the server with ``message``."""

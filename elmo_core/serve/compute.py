@@ -13,7 +13,6 @@ import base64
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from elmo_core.bilm.inference import sentence_slices
 from elmo_core.runtime import Output as Shape
 from elmo_core.runtime import Runtime
 from elmo_core.runtime.engine import WARM_UP
+from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch, Output
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,10 @@ SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "me
 class BatchEmbedder:
     """One model process's runtime, opened and warmed once, then batch after batch."""
 
-    def __init__(
-        self,
-        model: str | Path,
-        weight_file: str | None = None,
-        device: str = "auto",
-        precision: str = "fp32",
-    ) -> None:
-        self.runtime = Runtime.open(str(model), weight_file=weight_file, device=device, precision=precision)
+    def __init__(self, model: ModelRef, device: str, precision: str, max_batch_tokens: int) -> None:
+        """``model``: the exact model the HTTP process resolved (never resolved again here); ``max_batch_tokens``:
+        the batcher's budget, the most a batch it sends can hold, so the runtime's line names it."""
+        self.runtime = Runtime.open(model, device=device, precision=precision, max_batch_tokens=max_batch_tokens)
 
     def warm_up(self) -> float:
         """One call before the first request (kernels compiled or chosen, buffers sized); returns its seconds."""

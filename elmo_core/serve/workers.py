@@ -1,5 +1,8 @@
 """The model processes: each loads the biLM once (``compute.BatchEmbedder``) with its share of the cores and runs
-the batches it is sent, one at a time. The HTTP process watches each through its pipe: a process that dies fails
+the batches it is sent, one at a time. Every process of a pool loads the one model the server resolved
+(``WorkerPlan.model``, a ``ModelRef`` pinned with its content hash), and so does every restart: a restart after
+``latest`` moved still loads the version the pool was planned with, and one whose files changed under the same
+folder refuses to load. A reload is another pool (its ``generation``), started beside this one. The HTTP process watches each through its pipe: a process that dies fails
 only the batch it held (those requests get 503) and is started again: at once the first time, then after a pause
 that doubles (a process that dies as it starts would otherwise be respawned as fast as the machine can). One busy
 past the batch timeout is killed (``kill``), and that is a death like any other.
@@ -23,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from elmo_core import cpu
+from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch
 
 log = logging.getLogger(__name__)
@@ -36,13 +40,14 @@ RESTART_PAUSE_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the n-th restart in a row;
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What every model process is told: the model, where and how it runs, and how many share the machine."""
+    """What every model process is told: the exact model, where and how it runs, its token budget (the batcher's,
+    so that the runtime's line names the budget it is given), and how many share the machine."""
 
-    model: str  # a model directory, or an options.json with ``weight_file``
-    weight_file: str | None
+    model: ModelRef  # resolved once by the HTTP process; its files, pinned with their content hash
     device: str
     precision: str
     processes: int
+    max_batch_tokens: int
 
 
 def worker_main(conn: Connection, plan: WorkerPlan) -> None:
@@ -53,7 +58,8 @@ def worker_main(conn: Connection, plan: WorkerPlan) -> None:
     try:
         from elmo_core.serve.compute import BatchEmbedder
 
-        embedder = BatchEmbedder(plan.model, plan.weight_file, plan.device, plan.precision)
+        plan.model.check_unchanged()  # a restart must load the model the pool was planned with, or none
+        embedder = BatchEmbedder(plan.model, plan.device, plan.precision, plan.max_batch_tokens)
         seconds = embedder.warm_up()
         conn.send(("ready", {**embedder.info(), "warm_up_seconds": round(seconds, 3)}))
     except Exception as exc:  # the model cannot load or run here: one line for the user, the server stops
@@ -78,6 +84,7 @@ class Worker:
     """One model process as the HTTP process sees it."""
 
     slot: int
+    pool: WorkerPool | None = None  # the pool (one model version) it belongs to
     process: Any = None
     conn: Connection | None = None
     ready: bool = False
@@ -113,14 +120,28 @@ class WorkerEvents:
 
 class WorkerPool:
     """``plan.processes`` model processes (spawned, so no torch state is forked), each read by a thread of its own
-    whose news the event loop receives through ``call``."""
+    whose news the event loop receives through ``call``. ``generation`` counts the server's pools: 1 at start, one
+    more each reload. ``on_fatal``: where a pool that cannot run its model reports (by default the events' ``fatal``,
+    which stops the server; a reload's pool reports to the reload instead, and the serving pool goes on)."""
 
-    def __init__(self, plan: WorkerPlan, events: WorkerEvents, call: Callable[..., Any]) -> None:
-        self.plan, self.events, self.call = plan, events, call
-        self.workers = [Worker(i) for i in range(plan.processes)]
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        events: WorkerEvents,
+        call: Callable[..., Any],
+        generation: int = 1,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.plan, self.events, self.call, self.generation = plan, events, call, generation
+        self.on_fatal = on_fatal or events.fatal
+        self.workers = [Worker(i, self) for i in range(plan.processes)]
         self.closing = False
         self.restarts = 0
         self._context = multiprocessing.get_context("spawn")
+
+    @property
+    def model(self) -> ModelRef:
+        return self.plan.model
 
     def start(self) -> None:
         for worker in self.workers:
@@ -129,7 +150,7 @@ class WorkerPool:
     def _spawn(self, worker: Worker) -> None:
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=worker_main, args=(child, self.plan), name=f"elmo-serve-worker-{worker.slot}", daemon=True
+            target=worker_main, args=(child, self.plan), name=f"elmo-serve-worker-{self.generation}-{worker.slot}", daemon=True
         )
         with cpu.environment(cpu.worker_env(self.plan.processes)):  # its share of the cores, as embed workers get
             process.start()
@@ -144,6 +165,14 @@ class WorkerPool:
     @property
     def ready_count(self) -> int:
         return sum(w.ready for w in self.workers)
+
+    @property
+    def all_ready(self) -> bool:
+        return all(w.ready for w in self.workers)
+
+    @property
+    def busy(self) -> bool:
+        return any(w.batch is not None for w in self.workers)
 
     @property
     def able_count(self) -> int:
@@ -179,7 +208,7 @@ class WorkerPool:
             elif kind == "failed":
                 self.call(self._on_failed, worker, message[1], message[2])
             elif kind == "fatal":
-                self.call(self.events.fatal, f"the model cannot run: {message[1]}")
+                self.call(self.on_fatal, f"the model cannot run: {message[1]}")
         process.join(timeout=5)
         if not self.closing:
             self.call(self._on_lost, worker, process.exitcode)
@@ -187,9 +216,11 @@ class WorkerPool:
     def _on_ready(self, worker: Worker, info: dict[str, Any]) -> None:
         worker.ready, worker.info = True, info
         log.info(
-            "worker %d ready (pid %d): %s, %s; warm-up %.2f s",
+            "worker %d ready (pid %d): %s (id %s), %s, %s; warm-up %.2f s",
             worker.slot,
             info["pid"],
+            self.model.name,
+            info["model_id"],
             info["precision"],
             info["kernels"],
             info["warm_up_seconds"],
@@ -219,7 +250,7 @@ class WorkerPool:
         )
         self.events.worker_lost(worker, batch, exitcode)
         if worker.deaths_in_a_row > RESTARTS_BEFORE_GIVING_UP:
-            self.events.fatal(
+            self.on_fatal(
                 f"worker {worker.slot} died {worker.deaths_in_a_row} times in a row (exit code {exitcode})"
             )
             return
