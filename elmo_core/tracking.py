@@ -329,6 +329,8 @@ def is_model_uri(uri: str) -> bool:
 
 def _mlflow() -> Any:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # a download's progress bar, redrawn per file, would run into a server's JSON access log on the same stdout
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     import mlflow
 
     mlflow.set_tracking_uri(resolve_tracking_uri())

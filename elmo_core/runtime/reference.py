@@ -95,7 +95,7 @@ class ModelRef:
             "registered_model": self.registered,
             "version": self.version,
             "run_id": self.run_id,
-            "model_id": self.model_id,
+            "model_id": self.digest or self.model_id,  # pinned: the hash of the files it was planned with
         }
 
     def pinned(self) -> ModelRef:
