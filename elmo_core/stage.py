@@ -143,7 +143,14 @@ class WholeStage:
         """What this run will do, read and decided without writing (the plan's lines)."""
         return []
 
+    def settle(self, options: Any) -> Any:
+        """The options as the run will use them, decided once in the plan: a model reference that moves
+        (``models:/NAME/latest``, an alias) pinned to the exact version it names now, so that the work, and every
+        process it starts, reads that version (``runtime.reference.pin_reference``). By default: as given."""
+        return options
+
     def plan(self, options: Any) -> WholePlan:
+        options = self.settle(options)
         wait = bool(getattr(options, "wait", False))
         return WholePlan(options, [Whole(self.name)], self.writes(options), self.decide(options), wait)
 

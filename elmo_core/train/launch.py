@@ -37,6 +37,7 @@ from elmo_core.ranks import this_process
 from elmo_core.stage import WholeStage
 from elmo_core.tracking import check_reachable
 from elmo_core.train.loop import train
+from elmo_core.runtime.reference import pin_reference
 from elmo_core.train.plan import plan_training
 from elmo_core.train.run import TrainResult
 
@@ -285,6 +286,13 @@ class TrainStage(WholeStage):
 
     def __init__(self, on_line: Callable[[str], None] = print) -> None:
         self.on_line = on_line
+
+    def settle(self, config: TrainConfig) -> TrainConfig:
+        """``init_from`` pinned (``models:/elmo/latest`` → ``models:/elmo/3``) before the ranks start: every rank,
+        and a resume, fine-tunes the version the plan named, and the MLflow run's parameters name it."""
+        if config.init_from is None or this_process().launched:
+            return config
+        return config.model_copy(update={"init_from": pin_reference(config.init_from)})
 
     def decide(self, config: TrainConfig) -> list[str]:
         if this_process().launched:  # the launcher planned the run; each rank's setup takes the same decisions

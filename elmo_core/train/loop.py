@@ -271,7 +271,7 @@ def _start_tracking(
             run_name=out.name,
             tracking_uri=config.tracking_uri,
             run_id=run_id,
-            tags={"elmo.stage": "train"},
+            tags={"elmo.stage": "train", **({"elmo.init_from": config.init_from} if config.init_from else {})},
         )
         if config.tracking == "mlflow"
         else NullTracker()

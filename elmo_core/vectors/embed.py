@@ -143,7 +143,11 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     shards, not known before text input is tokenized): then the model, the named source and the options decide."""
     parts = []
     if old.get("model_id") != new["model_id"]:
-        parts.append(f"model {old.get('model_id')} → {new['model_id']}")
+        was, now = old.get("model_version") or old.get("model"), new.get("model_version") or new.get("model")
+        part = f"model {was} (id {old.get('model_id')}) → {now} (id {new['model_id']})"
+        if old.get("model") == new.get("model") and was != now and str(was).startswith("models:/"):
+            part += f": {new['model']} moved since the table was begun; --model {was} finishes it"
+        parts.append(part)
     if "source" in old and old["source"] != new["source"]:  # tables written before "source" was kept lack it
         parts.append(f"input {old['source']} → {new['source']}")
     elif "input" in new and old.get("input") != new["input"]:
@@ -217,6 +221,9 @@ def _model_and_options(config: EmbedConfig) -> tuple[Placement, ModelRef, dict[s
     model = resolve_model(config.model)
     known = {
         "model_id": model.model_id,
+        "model": config.model,
+        "model_version": model.exact,  # models:/elmo/3 where models:/elmo/latest was asked: the job's exact model
+        "model_identity": model.identity(),
         "source": str(Path(config.input).resolve()),
         "options": config.identity(exclude=frozenset({"model", "input", "out"})),
     }
@@ -238,7 +245,6 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
         raise InputError(f"{config.input}: no {config.split} sentences to embed")
     identity = {
         **known,
-        "model": config.model,
         "input": {
             "path": str(corpus.resolve()),
             "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],

@@ -48,7 +48,8 @@ from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.progress import track
-from elmo_core.runtime import Output, Runtime, resolve_model
+from elmo_core.runtime import ModelRef, Output, Runtime, resolve_model
+from elmo_core.runtime.reference import pin_reference
 from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable
@@ -276,7 +277,7 @@ def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]
     }
     metrics |= {f"wsd/acc/{n}": v for n, v in results["accuracy"].items()}
     metrics |= {f"wsd/acc_answerable/{n}": v for n, v in results["accuracy_answerable"].items()}
-    _finish(config, out, results, metrics=metrics, tracker=tracker, model_dir=runtime.model.directory)
+    _finish(config, out, results, metrics=metrics, tracker=tracker, model=runtime.model)
     return results
 
 
@@ -409,9 +410,7 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
         "learned_mix": learned_mix,
         **scores,
     }
-    _finish(
-        config, out, results, metrics=_tag_metrics(results, scores), tracker=tracker, model_dir=runtime.model.directory
-    )
+    _finish(config, out, results, metrics=_tag_metrics(results, scores), tracker=tracker, model=runtime.model)
     return results
 
 
@@ -504,22 +503,26 @@ def _finish(
     *,
     metrics: dict[str, float],
     tracker: Tracker | None,
-    model_dir: Path,
+    model: ModelRef,
 ) -> None:
+    """results.json and the chart, and the MLflow run, which names the exact model probed (its tags)."""
+    results["model_identity"] = model.identity()
     if tracker is None:
+        tags = {"elmo.stage": "probe", "elmo.probe": results["kind"], "elmo.model": model.exact or model.asked}
+        tags["elmo.model_id"] = model.model_id
         tracker = (
             MLflowTracker(
                 config.mlflow_experiment,
-                run_name=f"probe-{results['kind']}-{Path(config.model).name}",
+                run_name=f"probe-{results['kind']}-{Path(model.name).name}",
                 tracking_uri=config.tracking_uri,
-                tags={"elmo.stage": "probe", "elmo.probe": results["kind"]},
+                tags=tags,
             )
             if config.tracking == "mlflow"
             else NullTracker()
         )
     status = "FAILED"
     try:
-        results["model_dir"], results["mlflow_run_id"] = str(model_dir), tracker.run_id
+        results["model_dir"], results["mlflow_run_id"] = str(model.directory), tracker.run_id
         write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
         _chart(results, out / "chart.png")
         tracker.log_params({"probe": config.model_dump(mode="json")})
@@ -585,6 +588,11 @@ class ProbeStage(WholeStage):
     """A probe as a stage, one unit: the word-sense probe for a ``WsdConfig``, the tagging probe for a ``TagConfig``."""
 
     name = "probe"
+
+    def settle(self, config: WsdConfig | TagConfig) -> WsdConfig | TagConfig:
+        """The model pinned (``models:/elmo/latest`` → ``models:/elmo/3``): the probe, its results and its MLflow run
+        name the version it was planned with, even where ``latest`` moves while it runs."""
+        return config.model_copy(update={"model": pin_reference(config.model)})
 
     def decide(self, config: WsdConfig | TagConfig) -> list[str]:
         if config.tracking == "mlflow":
