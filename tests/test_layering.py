@@ -59,7 +59,7 @@ ROOMS = {
     "vectors": ["ann", "sources", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
-    "serve": ["api", "compute", "workers", "metrics", "batcher", "app", "run", "__init__"],
+    "serve": ["api", "compute", "workers", "versions", "metrics", "middleware", "batcher", "app", "run", "__init__"],
 }
 
 

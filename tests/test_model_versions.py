@@ -85,7 +85,9 @@ def test_a_probe_and_a_fine_tuning_are_pinned_to_the_version_their_plan_saw(
     probe = ProbeStage().plan(WsdConfig(model="models:/pinned/latest", out=str(tmp_path / "probe"), tracking="none"))
     assert probe.options.model == "models:/pinned/2"
     assert any("models:/pinned/2" in line for line in probe.lines())
-    alias = TrainStage().settle(TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), init_from="models:/pinned/2"))
+    alias = TrainStage().settle(
+        TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), init_from="models:/pinned/2")
+    )
     assert alias.init_from == "models:/pinned/2"  # an exact version stays as it is
     import mlflow
 

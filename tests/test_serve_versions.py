@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 import h5py
@@ -83,8 +82,10 @@ def test_latest_is_resolved_once_and_a_reload_switches_once(tmp_path: Path) -> N
         killed = info["workers"][0]["pid"]
         os.kill(killed, signal.SIGKILL)
         _until(
-            lambda: (w := httpx.get(f"{base}/info").json()["workers"])[0]["pid"] not in (None, killed)
-            and all(x["ready"] for x in w),
+            lambda: (
+                (w := httpx.get(f"{base}/info").json()["workers"])[0]["pid"] not in (None, killed)
+                and all(x["ready"] for x in w)
+            ),
             "the killed model process restarted and warm",
         )
         from concurrent.futures import ThreadPoolExecutor

@@ -21,14 +21,13 @@ model that computed it (``X-Elmo-Model``: ``models:/elmo/3`` where ``models:/elm
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import signal
-import sys
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -52,13 +51,14 @@ from elmo_core.serve.api import (
     Unauthorized,
     Unprocessable,
     binary_body,
-    dumps,
     embed_body,
     openai_body,
 )
 from elmo_core.serve.batcher import Batcher, Limits
 from elmo_core.serve.batcher import Request as Admitted
 from elmo_core.serve.metrics import ENDPOINTS, ServerMetrics
+from elmo_core.serve.middleware import ACCESS_SCOPE_KEY, AccessLog, Gate, error_response, start_access_log
+from elmo_core.serve.versions import Versions
 from elmo_core.serve.workers import WorkerPlan, WorkerPool
 from elmo_core.text.tokenize import get_tokenizer
 
@@ -66,185 +66,29 @@ ERRORS = {
     status: {"description": why}
     for status, why in ((400, "token ids"), (413, "over a limit"), (422, "a bad body"), (429, "queue full"))
 }
-# A refused body is read and thrown away up to this many bytes before the answer, where the connection ends with the
-# answer: past it, the answer goes out at once (the client may then see a reset instead of reading it).
-DISCARD_BYTES = 64 << 20
 MODEL_HEADER, MODEL_ID_HEADER = "X-Elmo-Model", "X-Elmo-Model-Id"  # on every answer: the exact model that made it
-ACCESS_SCOPE_KEY = "elmo.access"  # where a route leaves what the access log line says about its work
-access_log = logging.getLogger("elmo_core.serve.access")
 log = logging.getLogger(__name__)
 
 
-def _closes_after(scope: dict) -> bool:
-    """The connection ends with this answer (``Connection: close``, which Python's urllib sends, or HTTP/1.0) and the
-    client sends its body without waiting for a word (no ``Expect: 100-continue``). uvicorn then closes the socket as
-    soon as the answer is written, and a socket closed with unread bytes in it sends a reset, which reaches a client
-    still sending before it reads the answer: such a refusal reads the body first. On a kept-alive connection uvicorn
-    reads and drops the rest of the body itself after the answer."""
-    headers = dict(scope["headers"])
-    if b"100-continue" in headers.get(b"expect", b"").lower():
-        return False
-    connection = headers.get(b"connection", b"").lower()
-    return b"close" in connection or (scope.get("http_version") == "1.0" and b"keep-alive" not in connection)
-
-
-async def _discard(receive: Callable, budget: int) -> None:
-    while budget > 0:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        budget -= len(message.get("body", b""))
-        if not message.get("more_body", False):
-            return
-
-
-class Gate:
-    """ASGI middleware, what is refused before a body is parsed: a POST to a full queue gets its 429 without its
-    body being parsed (under overload, refusing must cost less than answering), and a body is read whole, up to
-    ``--max-body-bytes``, before the app sees it; past it a 413 (the declared Content-Length is checked first, so
-    an honest large upload is refused before it is read). Every refusal is in JSON, and a client that sends its
-    whole body before reading reads it too (``_closes_after``)."""
-
-    def __init__(self, app: Any, server: Server) -> None:
-        self.app, self.server, self.limit = app, server, server.config.max_body_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        batcher = self.server.batcher
-        declared = dict(scope["headers"]).get(b"content-length")
-        size = int(declared) if declared is not None and declared.isdigit() else None
-        if scope["path"] in ENDPOINTS and batcher is not None and batcher.full:
-            return await self._refuse(scope, receive, send, batcher.refusal(), size)
-        if size is not None and size > self.limit:
-            return await self._refuse(scope, receive, send, self._too_large(f"the body has {size:,} bytes"), size)
-        chunks, read = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            read += len(chunks[-1])
-            more = message.get("more_body", False)
-            if read > self.limit:
-                error = self._too_large(f"the body passed {self.limit:,} bytes")
-                return await self._refuse(scope, receive, send, error, size, read if more else None)
-            if not more:
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # then what the client does next: a disconnect
-
-        await self.app(scope, replay, send)
-
-    def _too_large(self, what: str) -> TooLarge:
-        return TooLarge(f"{what}; the limit is --max-body-bytes {self.limit:,}")
-
-    async def _refuse(
-        self,
-        scope: dict,
-        receive: Callable,
-        send: Callable,
-        error: RequestError,
-        size: int | None,
-        read: int | None = 0,
-    ) -> None:
-        """Answer ``error``; first read the rest of the body (``read``: bytes read so far, None: all of it) where the
-        connection closes with the answer and the body is within ``DISCARD_BYTES``."""
-        if read is not None and (size is None or size <= DISCARD_BYTES) and _closes_after(scope):
-            await _discard(receive, DISCARD_BYTES - read)
-        if scope["path"] in ENDPOINTS:
-            self.server.metrics.answered(scope["path"], error.status, 0.0)
-        await _error_response(error)(scope, receive, send)
-
-
-def _request_id(scope: dict) -> str:
-    """The client's ``X-Request-ID`` where it is a plausible one (1-128 visible ASCII characters), else a new one."""
-    given = dict(scope["headers"]).get(b"x-request-id", b"")
-    if 0 < len(given) <= 128 and all(0x21 <= c <= 0x7E for c in given):
-        return given.decode()
-    return uuid.uuid4().hex
-
-
-class AccessLog:
-    """ASGI middleware, outermost: every request gets its id (``X-Request-ID`` taken or made, and echoed on the
-    answer) and, with ``--access-log``, one JSON line once answered: id, method, path, status, and for embeddings the
-    sentences, tokens, milliseconds in the queue and in the model processes, and in all. From SIGTERM on, answers
-    also say ``Connection: close``: a client holding a connection to this replica opens its next one through the
-    load balancer, to another, instead of meeting this one's listener closed."""
-
-    def __init__(self, app: Any, server: Server) -> None:
-        self.app, self.server, self.enabled = app, server, server.config.access_log
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started, request_id, status = time.monotonic(), _request_id(scope), 0
-        work: dict[str, Any] = {}
-        scope[ACCESS_SCOPE_KEY] = work
-
-        async def send_with_id(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-                if self.server.draining:
-                    headers.append((b"connection", b"close"))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:  # answered 500 by Starlette's outermost layer, past this one's send
-            status = status or 500
-            raise
-        finally:
-            if self.enabled:
-                line = {"time": round(time.time(), 3), "request_id": request_id, "method": scope["method"]}
-                line |= {"path": scope["path"], "status": status or 499, **work}
-                line["ms"] = round((time.monotonic() - started) * 1000, 2)
-                access_log.info(dumps(line).decode())
-
-
-def _start_access_log() -> None:
-    """The access log's lines go to stdout as they are (JSON), apart from the server's own log."""
-    if not access_log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access_log.addHandler(handler)
-        access_log.setLevel(logging.INFO)
-        access_log.propagate = False
-
-
-def _error_response(error: RequestError) -> JSONResponse:
-    """OpenAI's error shape, which its clients read: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": str(error), "type": type(error).__name__, "param": error.param, "code": error.status}}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+@functools.lru_cache(maxsize=4)
+def _options_of(model: Any) -> dict[str, Any]:
+    return json.loads(model.options.read_text())
 
 
 class Server:
     """What the routes share: the options, the metrics, the queue, the model processes, the model's facts. The model
-    reference is resolved once, here (``resolve_model``), to the exact model every process of the pool loads; only a
-    reload (``reload``: SIGHUP or ``POST /reload``) resolves it again, and switches to another pool when it is warm."""
+    reference is resolved once, here, to the exact model every process loads; only a reload (``versions``) resolves
+    it again."""
 
     def __init__(self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         self.config, self.resolve_model, self.on_fatal = config, resolve_model, on_fatal
         self.metrics = ServerMetrics()
         self.tokenize = get_tokenizer(config.tokenizer)
         self.batcher: Batcher | None = None
+        self.versions: Versions | None = None
         self.state = "starting"
-        self.options: dict[str, Any] = {}
         self.created = int(time.time())  # /v1/models' "created"
         self.draining = False  # SIGTERM came: /ready answers 503 while requests are still served
-        self.reloading: dict[str, Any] | None = None  # a reload under way: from, to, since
-        self.last_reload: dict[str, Any] | None = None  # how the last one ended
-        self._call: Callable[..., Any] | None = None
-        self._reload_lock = threading.Lock()
 
     @property
     def pool(self) -> WorkerPool | None:
@@ -262,90 +106,45 @@ class Server:
         limits = Limits(
             config.max_batch_tokens, config.max_wait_ms, config.max_queue_tokens, config.batching, config.batch_timeout
         )
-        loop = asyncio.get_running_loop()
-        self.batcher = Batcher(limits, self.metrics, self.on_fatal, self._switched)
-        self._call = loop.call_soon_threadsafe
-        threading.Thread(target=self._start_workers, daemon=True).start()
+        self.batcher = Batcher(limits, self.metrics, self.on_fatal)
+        call = asyncio.get_running_loop().call_soon_threadsafe
 
-    def _plan(self, model: Any) -> WorkerPlan:
-        config = self.config
-        return WorkerPlan(model, config.device, config.precision, config.workers, config.max_batch_tokens)
+        def plan(model: Any) -> WorkerPlan:  # the batcher's token budget is the most a batch it sends holds
+            return WorkerPlan(model, config.device, config.precision, config.workers, config.max_batch_tokens)
 
-    def _start_workers(self) -> None:
+        def make_pool(plan: WorkerPlan, generation: int, on_fatal: Callable[[str], None] | None) -> WorkerPool:
+            return WorkerPool(plan, self.batcher, call, generation, on_fatal)  # type: ignore[arg-type]
+
+        self.versions = Versions(config.model, self.resolve_model, plan, make_pool)
+        threading.Thread(target=self._start_workers, args=(call,), daemon=True).start()
+
+    def _start_workers(self, call: Callable[..., Any]) -> None:
         """Off the event loop: resolve the model once (a registered one lands in the download cache) and pin it with
         its content hash, then start the model processes, which all load exactly that."""
         try:
             self.state = "fetching the model"
             model = self.resolve_model().pinned()
-            self.options = json.loads(model.options.read_text())
+            _options_of(model)  # read here, so a model without its options.json fails in this one line
         except Exception as exc:  # one line, and the server stops
             message = str(exc).splitlines()[0] if str(exc) else repr(exc)
-            self._call(self.batcher.fatal, f"the model cannot be loaded: {message}")  # type: ignore[misc, union-attr]
+            call(self.batcher.fatal, f"the model cannot be loaded: {message}")  # type: ignore[union-attr]
             return
         log.info("serving %s (id %s, %s)", model.name, model.digest, model.origin)
-        pool = WorkerPool(self._plan(model), self.batcher, self._call)  # type: ignore[arg-type]
-        self.batcher.pool = pool  # type: ignore[union-attr]
         self.state = "loading the model"
-        pool.start()
+        call(self._first_pool, model)
 
-    async def reload(self) -> dict[str, Any]:
-        """Resolve the reference again; where it names another model now, load it in a new pool beside the serving
-        one, which the batcher switches to once all of it is warm. What happened, as ``/reload`` answers it."""
-        if self.pool is None:
-            return {"reloading": False, "why": "the model is still loading"}
-        if not self._reload_lock.acquire(blocking=False):
-            return {"reloading": True, **(self.reloading or {}), "why": "a reload is already under way"}
-        try:
-            if self.reloading is not None:
-                return {"reloading": True, **self.reloading, "why": "a reload is already under way"}
-            current = self.pool.model
-            try:
-                model = (await asyncio.to_thread(self.resolve_model)).pinned()
-            except Exception as exc:  # the store is away, the name is gone: the serving pool goes on
-                why = str(exc).splitlines()[0] if str(exc) else repr(exc)
-                log.error("reload: %s cannot be resolved (%s); still serving %s", self.config.model, why, current.name)
-                self.last_reload = {"ok": False, "why": why, "time": time.time()}
-                return {"reloading": False, "model": current.name, "why": f"cannot be resolved: {why}"}
-            if (model.exact, model.digest) == (current.exact, current.digest):
-                why = f"{self.config.model} still names {current.name} (id {current.digest})"
-                log.info("reload: %s; nothing to do", why)
-                return {"reloading": False, "model": current.name, "why": why}
-            generation = self.pool.generation + 1
-            self.reloading = {"from": current.name, "to": model.name, "to_id": model.digest, "since": time.time()}
-            log.info(
-                "reload: %s now names %s (id %s); loading it in new model processes beside %s",
-                self.config.model,
-                model.name,
-                model.digest,
-                current.name,
-            )
-            pool = WorkerPool(self._plan(model), self.batcher, self._call, generation, self._reload_failed)  # type: ignore[arg-type]
-            self.batcher.begin_reload(pool)  # type: ignore[union-attr]
-            return {"reloading": True, **self.reloading}
-        finally:
-            self._reload_lock.release()
-
-    def _switched(self, new: WorkerPool, old: WorkerPool | None) -> None:
-        self.options = json.loads(new.model.options.read_text())
-        self.reloading = None
-        self.last_reload = {"ok": True, "from": old.model.name if old else None, "to": new.model.name}
-        self.last_reload["time"] = time.time()
-        log.info("reload: switched to %s (id %s); %s finishes what it began", new.model.name, new.model.digest,
-                 old.model.name if old else "nothing")
-
-    def _reload_failed(self, message: str) -> None:
-        target = (self.reloading or {}).get("to")
-        log.error("reload: %s cannot run (%s); still serving %s", target, message, self.model_name)
-        self.reloading = None
-        self.last_reload = {"ok": False, "to": target, "why": message, "time": time.time()}
-        self.batcher.reload_failed(message)  # type: ignore[union-attr]
+    def _first_pool(self, model: Any) -> None:
+        self.versions.start(model)  # type: ignore[union-attr]
+        self.batcher.versions = self.versions  # type: ignore[union-attr]
 
     async def stop(self) -> None:
-        if self.batcher is None:
-            return
-        pools = [p for p in (self.batcher.pool, self.batcher.incoming, *self.batcher.retiring) if p is not None]
-        for pool in pools:
+        for pool in self.versions.pools if self.versions is not None else []:
             await asyncio.to_thread(pool.stop)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The serving model's options.json, once a pool serves it."""
+        return _options_of(self.pool.model) if self.pool is not None else {}
 
     @property
     def layers(self) -> int | None:
@@ -455,8 +254,8 @@ class Server:
             "source": config.model,
             "identity": {**serving.identity(), "digest": serving.digest} if serving is not None else None,
             "generation": self.pool.generation if self.pool is not None else 0,
-            "reloading": self.reloading,
-            "last_reload": self.last_reload,
+            "reloading": self.versions.reloading if self.versions is not None else None,
+            "last_reload": self.versions.last_reload if self.versions is not None else None,
             "ready": self.ready,
             "shape": {
                 "layers": self.layers,
@@ -581,7 +380,7 @@ async def reload(request: Request) -> JSONResponse:
     now, load that in new model processes and switch to them once all are warm (what SIGHUP does). 202 while it
     loads, 200 where there is nothing to do, 409 while the model first loads."""
     server = _server(request)
-    result = await server.reload()
+    result = await server.versions.reload()  # type: ignore[union-attr]
     status = 202 if result.get("reloading") else (409 if server.pool is None else 200)
     return JSONResponse(result, status_code=status)
 
@@ -621,7 +420,7 @@ async def metrics(request: Request) -> Response:
 async def request_error(request: Request, error: RequestError) -> JSONResponse:
     if request.url.path in ENDPOINTS:
         _server(request).metrics.answered(request.url.path, error.status, 0.0)
-    return _error_response(error)
+    return error_response(error)
 
 
 async def bad_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -640,14 +439,14 @@ def create_app(config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: 
     """The app: the routes above around one ``Server``, which starts the model processes with the app."""
     server = Server(config, resolve_model, on_fatal)
     if config.access_log:
-        _start_access_log()
+        start_access_log()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await server.start()
         loop = asyncio.get_running_loop()
         try:  # SIGHUP reloads, as it does for nginx and HAProxy; not where signals cannot be set (a thread, Windows)
-            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.reload()))
+            loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.versions.reload()))
         except (NotImplementedError, RuntimeError, ValueError, AttributeError):
             pass
         yield

@@ -9,11 +9,8 @@ batch of at most ``max_batch_tokens`` tokens, across requests; a batch with room
 accumulate, so batches grow with the load by themselves. With batching off, a batch holds one request's sentences
 (what serving one request per forward pass costs).
 
-One model version answers a request: its sentences all go to the pool that took its first one. A reload starts
-another pool (``incoming``) beside the serving one; when every process of it is warm the batcher switches to it at
-once: requests not yet begun go to the new pool, those already begun finish on the old one, which is stopped when
-its last batch is answered. Between the switch and the old pool's last answer both versions answer, each request
-from one of them and each answer naming its own; at no other time do two answer.
+One model version answers a request: its sentences all go to the pool that took its first one (``Request.pool``),
+so a reload (``versions.Versions``) that switches pools while a request is half done finishes it on its first pool.
 
 Everything here runs in the event loop's thread; the pool's reader threads reach it through ``call_soon_threadsafe``.
 """
@@ -30,6 +27,7 @@ from dataclasses import dataclass, field
 
 from elmo_core.serve.api import Answer, Batch, Output, QueueFull, RequestError, Unavailable
 from elmo_core.serve.metrics import ServerMetrics
+from elmo_core.serve.versions import Versions
 from elmo_core.serve.workers import Worker, WorkerEvents, WorkerPool
 
 
@@ -84,12 +82,9 @@ class Batcher(WorkerEvents):
         limits: Limits,
         metrics: ServerMetrics,
         on_fatal: Callable[[str], None],
-        on_switch: Callable[[WorkerPool, WorkerPool | None], None] = lambda new, old: None,
     ) -> None:
-        self.limits, self.metrics, self.on_fatal, self.on_switch = limits, metrics, on_fatal, on_switch
-        self.pool: WorkerPool | None = None  # the pool new requests go to
-        self.incoming: WorkerPool | None = None  # a reload's pool, warming up beside it
-        self.retiring: list[WorkerPool] = []  # pools switched from, finishing the requests they began
+        self.limits, self.metrics, self.on_fatal = limits, metrics, on_fatal
+        self.versions: Versions | None = None  # the model versions' pools, once the model is resolved
         self.waiting: deque[Pending] = deque()
         self.waiting_tokens = 0
         self.queued_tokens = 0  # admitted and not yet over: waiting or computing
@@ -99,6 +94,10 @@ class Batcher(WorkerEvents):
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
+
+    @property
+    def pool(self) -> WorkerPool | None:  # the pool new requests go to
+        return self.versions.serving if self.versions is not None else None
 
     # --- requests -------------------------------------------------------------------------------------
     async def embed(self, sentences: list[list[str]], spec: Output) -> Request:
@@ -122,16 +121,10 @@ class Batcher(WorkerEvents):
         return self.queued_tokens >= self.limits.max_queue_tokens
 
     def refusal(self, tokens: int | None = None) -> QueueFull:
-        more = f"{tokens:,} more would pass" if tokens is not None else "it is at"
-        return QueueFull(
-            f"the queue holds {self.queued_tokens:,} tokens; {more} --max-queue-tokens "
-            f"{self.limits.max_queue_tokens:,}; retry later",
-            {"Retry-After": str(self._retry_after())},
-        )
-
-    def _retry_after(self) -> int:
-        rate = self.metrics.rate()
-        return max(1, math.ceil(self.queued_tokens / rate)) if rate > 0 else 1
+        more, rate = f"{tokens:,} more would pass" if tokens is not None else "it is at", self.metrics.rate()
+        retry = {"Retry-After": str(max(1, math.ceil(self.queued_tokens / rate)) if rate > 0 else 1)}
+        limit = f"--max-queue-tokens {self.limits.max_queue_tokens:,}"
+        return QueueFull(f"the queue holds {self.queued_tokens:,} tokens; {more} {limit}; retry later", retry)
 
     def _admit(self, request: Request) -> None:
         self.waiting.extend(Pending(request, i) for i in range(len(request.sentences)))
@@ -210,60 +203,35 @@ class Batcher(WorkerEvents):
             if request.unsent == 0:  # its last sentence leaves the queue: the time it waited
                 request.queue_seconds = now - request.arrived
                 self.metrics.queue_seconds.observe(request.queue_seconds)
-        self.pool.send(worker, batch)  # type: ignore[union-attr]
+        worker.pool.send(worker, batch)  # type: ignore[union-attr]
         self._deadlines[batch.id] = self._loop.call_later(self.limits.batch_timeout, self._overdue, worker, batch.id)
 
     def _overdue(self, worker: Worker, batch_id: int) -> None:
         """A model process still on this batch after ``batch_timeout``: hung (or the batch cannot finish), so it is
         killed; its loss is reported as any death is, its requests answered 503, and it is started again."""
-        if worker.batch is not None and worker.batch.id == batch_id and self.pool is not None:
-            self.pool.kill(worker, f"was busy past --batch-timeout {self.limits.batch_timeout:g} s and was killed")
+        if worker.batch is not None and worker.batch.id == batch_id and worker.pool is not None:
+            worker.pool.kill(worker, f"was busy past --batch-timeout {self.limits.batch_timeout:g} s and was killed")
 
     def _finish_batch(self, batch_id: int) -> list[Pending]:
-        deadline = self._deadlines.pop(batch_id, None)
-        if deadline is not None:
+        """A batch is over: its deadline off, its tokens out of flight, and pools switched from stopped once
+        nothing they began is left (``versions.Versions.retire``)."""
+        if (deadline := self._deadlines.pop(batch_id, None)) is not None:
             deadline.cancel()
         pendings = self.inflight.pop(batch_id, [])
         self.metrics.inflight_tokens.dec(sum(p.tokens for p in pendings))
+        self._retire()
         return pendings
 
     # --- what the model processes report (WorkerEvents) ----------------------------------------------------
     def worker_ready(self, worker: Worker) -> None:
-        if worker.pool is not None and worker.pool is self.incoming and self.incoming.all_ready:
-            self._switch()
+        if self.versions is not None and self.versions.warm(worker):  # a reload's last process: switched
+            self._retire()
         self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
         self._dispatch()
 
-    # --- a reload: another pool beside this one, switched to when all of it is warm ------------------------------
-    def begin_reload(self, pool: WorkerPool) -> None:
-        """Start ``pool`` (another model version) beside the serving one; ``worker_ready`` switches when it is warm."""
-        self.incoming = pool
-        pool.start()
-
-    def reload_failed(self, message: str) -> None:
-        """The reload's pool cannot run its model: it is stopped, and the serving pool goes on as it was."""
-        pool, self.incoming = self.incoming, None
-        if pool is not None:
-            pool.closing = True
-            asyncio.ensure_future(asyncio.to_thread(pool.stop))
-
-    def _switch(self) -> None:
-        new, old = self.incoming, self.pool
-        self.pool, self.incoming = new, None
-        if old is not None:
-            self.retiring.append(old)
-        self.on_switch(new, old)  # type: ignore[arg-type]
-        self._retire()
-
     def _retire(self) -> None:
-        """Stop the pools switched from that have nothing left to answer (no batch computing, no sentence waiting
-        of a request they began)."""
-        for pool in list(self.retiring):
-            if pool.busy or any(p.request.pool is pool and not p.request.over for p in self.waiting):
-                continue
-            self.retiring.remove(pool)
-            pool.closing = True  # its processes' ends are no deaths to restart
-            asyncio.ensure_future(asyncio.to_thread(pool.stop))
+        if self.versions is not None:
+            self.versions.retire(lambda pool: any(p.request.pool is pool and not p.request.over for p in self.waiting))
 
     def batch_done(self, worker: Worker, answer: Answer) -> None:
         pendings = self._finish_batch(answer.id)
@@ -280,7 +248,6 @@ class Batcher(WorkerEvents):
             if request.remaining == 0 and not request.future.done():
                 request.future.set_result(request)
         self._dispatch()
-        self._retire()
 
     def _fail(self, pendings: list[Pending], error: RequestError) -> None:
         for pending in pendings:
@@ -290,7 +257,6 @@ class Batcher(WorkerEvents):
     def batch_failed(self, worker: Worker, batch_id: int, message: str) -> None:
         self._fail(self._finish_batch(batch_id), RequestError(f"the model failed on this request's batch: {message}"))
         self._dispatch()
-        self._retire()
 
     def worker_lost(self, worker: Worker, batch: Batch | None, exitcode: int | None) -> None:
         self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
@@ -298,12 +264,8 @@ class Batcher(WorkerEvents):
             self.metrics.worker_restarts.inc()
         if batch is not None:
             why = worker.killed_why or f"died (exit code {exitcode})"
-            error = Unavailable(
-                f"the model process computing this request {why}; it is being started again: retry",
-                {"Retry-After": "1"},
-            )
-            self._fail(self._finish_batch(batch.id), error)
-        self._retire()
+            error = f"the model process computing this request {why}; it is being started again: retry"
+            self._fail(self._finish_batch(batch.id), Unavailable(error, {"Retry-After": "1"}))
 
     def fatal(self, message: str) -> None:
         """The model cannot run here: fail everything and stop the server with ``message``."""

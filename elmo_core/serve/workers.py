@@ -2,10 +2,12 @@
 the batches it is sent, one at a time. Every process of a pool loads the one model the server resolved
 (``WorkerPlan.model``, a ``ModelRef`` pinned with its content hash), and so does every restart: a restart after
 ``latest`` moved still loads the version the pool was planned with, and one whose files changed under the same
-folder refuses to load. A reload is another pool (its ``generation``), started beside this one. The HTTP process watches each through its pipe: a process that dies fails
-only the batch it held (those requests get 503) and is started again: at once the first time, then after a pause
-that doubles (a process that dies as it starts would otherwise be respawned as fast as the machine can). One busy
-past the batch timeout is killed (``kill``), and that is a death like any other.
+folder refuses to load. A reload is another pool (its ``generation``), started beside this one.
+
+The HTTP process watches each through its pipe: a process that dies fails only the batch it held (those requests
+get 503) and is started again: at once the first time, then after a pause that doubles (a process that dies as it
+starts would otherwise be respawned as fast as the machine can). One busy past the batch timeout is killed
+(``kill``), and that is a death like any other.
 
 A model process ignores SIGINT and SIGTERM: the HTTP process decides when serving ends (after draining) and then
 closes the pipe, which ends the process; a pipe that closes because the HTTP process died ends it too.
@@ -150,7 +152,10 @@ class WorkerPool:
     def _spawn(self, worker: Worker) -> None:
         parent, child = self._context.Pipe()
         process = self._context.Process(
-            target=worker_main, args=(child, self.plan), name=f"elmo-serve-worker-{self.generation}-{worker.slot}", daemon=True
+            target=worker_main,
+            args=(child, self.plan),
+            name=f"elmo-serve-worker-{self.generation}-{worker.slot}",
+            daemon=True,
         )
         with cpu.environment(cpu.worker_env(self.plan.processes)):  # its share of the cores, as embed workers get
             process.start()
@@ -250,9 +255,7 @@ class WorkerPool:
         )
         self.events.worker_lost(worker, batch, exitcode)
         if worker.deaths_in_a_row > RESTARTS_BEFORE_GIVING_UP:
-            self.on_fatal(
-                f"worker {worker.slot} died {worker.deaths_in_a_row} times in a row (exit code {exitcode})"
-            )
+            self.on_fatal(f"worker {worker.slot} died {worker.deaths_in_a_row} times in a row (exit code {exitcode})")
             return
         self.restarts += 1
         if pause == 0:

@@ -211,6 +211,13 @@ class PerplexityStage(WholeStage):
     def writes(self, config: PerplexityConfig) -> list[Path]:
         return []  # it reads a model and a dataset, and writes its token ids in a temporary folder
 
+    def settle(self, config: PerplexityConfig) -> PerplexityConfig:
+        """The model pinned to the exact version a moving reference names now (``models:/elmo/latest`` →
+        ``models:/elmo/3``), so the score names what was scored."""
+        from elmo_core.runtime.reference import pin_reference
+
+        return config.model_copy(update={"model": pin_reference(config.model)})
+
     def decide(self, config: PerplexityConfig) -> list[str]:
         return [f"score {config.model} on the {config.split} split of {config.corpus} (device {config.device})"]
 

@@ -34,10 +34,10 @@ from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
+from elmo_core.runtime.reference import pin_reference
 from elmo_core.stage import WholeStage
 from elmo_core.tracking import check_reachable
 from elmo_core.train.loop import train
-from elmo_core.runtime.reference import pin_reference
 from elmo_core.train.plan import plan_training
 from elmo_core.train.run import TrainResult
 

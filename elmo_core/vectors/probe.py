@@ -507,19 +507,11 @@ def _finish(
 ) -> None:
     """results.json and the chart, and the MLflow run, which names the exact model probed (its tags)."""
     results["model_identity"] = model.identity()
-    if tracker is None:
-        tags = {"elmo.stage": "probe", "elmo.probe": results["kind"], "elmo.model": model.exact or model.asked}
-        tags["elmo.model_id"] = model.model_id
-        tracker = (
-            MLflowTracker(
-                config.mlflow_experiment,
-                run_name=f"probe-{results['kind']}-{Path(model.name).name}",
-                tracking_uri=config.tracking_uri,
-                tags=tags,
-            )
-            if config.tracking == "mlflow"
-            else NullTracker()
-        )
+    tags = {"elmo.stage": "probe", "elmo.probe": results["kind"], "elmo.model": model.exact or model.asked}
+    if tracker is None and config.tracking == "mlflow":
+        name = f"probe-{results['kind']}-{Path(model.name).name}"
+        tracker = MLflowTracker(config.mlflow_experiment, run_name=name, tracking_uri=config.tracking_uri, tags=tags)
+    tracker = tracker or NullTracker()
     status = "FAILED"
     try:
         results["model_dir"], results["mlflow_run_id"] = str(model.directory), tracker.run_id
