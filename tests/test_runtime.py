@@ -99,7 +99,7 @@ def test_a_sentence_gets_the_same_vectors_from_every_command(tmp_path, allennlp_
 
     from elmo_core.runtime import resolve_model
 
-    server = BatchEmbedder(resolve_model(str(allennlp_dir)).pinned(), "auto", "fp32", 4096)
+    server = BatchEmbedder(resolve_model(str(allennlp_dir)).pinned(), "cpu", "fp32", "asked for fp32", 4096)
     answer = server.run(Batch(1, [OTHERS[0], SENTENCE], [0, 0], [Asked("layers", encoding="base64")]))
     import base64
 

@@ -346,6 +346,18 @@ def test_bad_model_is_one_line_before_the_port_is_taken(tmp_path: Path) -> None:
     ]
 
 
+def test_a_refused_precision_is_one_line_before_the_port_is_taken() -> None:
+    """bf16 on a CPU that would emulate it (any CPU under ``ELMO_CPU_ISA=avx2``) is the runtime's refusal, decided
+    before the port is bound, not a model process's after it."""
+    from tests.helpers import run_elmo
+
+    env = {**os.environ, "ELMO_CPU_ISA": "avx2"}
+    result = run_elmo("serve", str(MODEL), "--precision", "bf16", "--port", str(free_port()), env=env)
+    assert result.returncode == 2 and "listening" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elmo serve: error: precision bf16: this CPU has no bfloat16"), lines
+
+
 @pytest.mark.slow
 def test_registered_model_served_and_its_pyfunc_signature(tmp_path: Path, bilm: BiLM) -> None:
     """A model registered in MLflow: `elmo serve models:/NAME/1` gives the fixture's vectors, and the pyfunc model

@@ -72,3 +72,26 @@ def one_gpu_each(count: int, visible: str | None) -> list[dict[str, str]]:
     names = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else []
     names = (names or [str(i) for i in range(count)])[:count]
     return [{"CUDA_VISIBLE_DEVICES": name} for name in names] if len(names) > 1 else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elmo_core.runtime.placement DEVICE PRECISION``: the placement as one JSON line, or the refusal as
+    one line on stderr (exit 2). What a process that must not import torch (``elmo serve``'s HTTP process) runs to
+    have the device and precision decided, and refused, before it binds its port."""
+    import json
+    import sys
+
+    from elmo_core.errors import ElmoError
+
+    device, precision = argv if argv is not None else sys.argv[1:]
+    try:
+        placed = place(device, precision)
+    except (ElmoError, ValueError, RuntimeError) as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return 2
+    print(json.dumps({"device": placed.device, "precision": str(placed.precision), "why": placed.precision.why}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -80,8 +80,10 @@ class Server:
     reference is resolved once, here, to the exact model every process loads; only a reload (``versions``) resolves
     it again."""
 
-    def __init__(self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
-        self.config, self.resolve_model, self.on_fatal = config, resolve_model, on_fatal
+    def __init__(
+        self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None], why: str
+    ) -> None:
+        self.config, self.resolve_model, self.on_fatal, self.precision_why = config, resolve_model, on_fatal, why
         self.metrics = ServerMetrics()
         self.tokenize = get_tokenizer(config.tokenizer)
         self.batcher: Batcher | None = None
@@ -110,7 +112,8 @@ class Server:
         call = asyncio.get_running_loop().call_soon_threadsafe
 
         def plan(model: Any) -> WorkerPlan:  # the batcher's token budget is the most a batch it sends holds
-            return WorkerPlan(model, config.device, config.precision, config.workers, config.max_batch_tokens)
+            placed = (config.device, config.precision, self.precision_why)
+            return WorkerPlan(model, *placed, config.workers, config.max_batch_tokens)
 
         def make_pool(plan: WorkerPlan, generation: int, on_fatal: Callable[[str], None] | None) -> WorkerPool:
             return WorkerPool(plan, self.batcher, call, generation, on_fatal)  # type: ignore[arg-type]
@@ -435,9 +438,12 @@ async def bad_body(request: Request, error: RequestValidationError) -> JSONRespo
     return await request_error(request, Unprocessable(message, param=problems[0][0] if problems else None))
 
 
-def create_app(config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None]) -> FastAPI:
-    """The app: the routes above around one ``Server``, which starts the model processes with the app."""
-    server = Server(config, resolve_model, on_fatal)
+def create_app(
+    config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None], precision_why: str
+) -> FastAPI:
+    """The app: the routes above around one ``Server``, which starts the model processes with the app. ``config``'s
+    device and precision are the runtime's decision (``run.place_model``), ``precision_why`` its reason."""
+    server = Server(config, resolve_model, on_fatal, precision_why)
     if config.access_log:
         start_access_log()
 

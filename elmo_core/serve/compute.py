@@ -20,8 +20,9 @@ import orjson
 import torch
 
 from elmo_core.bilm.inference import sentence_slices
+from elmo_core.precision import Precision
 from elmo_core.runtime import Output as Shape
-from elmo_core.runtime import Runtime
+from elmo_core.runtime import Placement, Runtime
 from elmo_core.runtime.engine import WARM_UP
 from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch, Output
@@ -35,10 +36,13 @@ SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "me
 class BatchEmbedder:
     """One model process's runtime, opened and warmed once, then batch after batch."""
 
-    def __init__(self, model: ModelRef, device: str, precision: str, max_batch_tokens: int) -> None:
-        """``model``: the exact model the HTTP process resolved (never resolved again here); ``max_batch_tokens``:
-        the batcher's budget, the most a batch it sends can hold, so the runtime's line names it."""
-        self.runtime = Runtime.open(model, device=device, precision=precision, max_batch_tokens=max_batch_tokens)
+    def __init__(self, model: ModelRef, device: str, precision: str, why: str, max_batch_tokens: int) -> None:
+        """``model``: the exact model the HTTP process resolved (never resolved again here); ``device``,
+        ``precision`` and ``why``: the placement decided before the port was bound (not decided again here);
+        ``max_batch_tokens``: the batcher's budget, the most a batch it sends can hold, so the runtime's line names
+        it."""
+        placement = Placement(device, Precision(precision, torch.device(device).type, why))
+        self.runtime = Runtime.open(model, placement=placement, max_batch_tokens=max_batch_tokens)
 
     def warm_up(self) -> float:
         """One call before the first request (kernels compiled or chosen, buffers sized); returns its seconds."""

@@ -84,6 +84,27 @@ def check_model(config: ServeConfig) -> None:
         resolve_model(config.model, config.weight_file)
 
 
+def place_model(config: ServeConfig) -> tuple[ServeConfig, str]:
+    """The device and precision decided once, by the runtime, before the port is taken: a precision this machine
+    refuses (bf16 that the CPU would emulate, int8 on a GPU) fails here in one line, and every model process, and
+    every reload's, runs what was decided (``auto`` resolved, with its reason). In a short process of its own, since
+    this one never imports torch."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "elmo_core.runtime.placement", config.device, config.precision],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise ConfigError(lines[-1] if lines else f"device {config.device}, precision {config.precision}: refused")
+    placed = json.loads(done.stdout.strip().splitlines()[-1])
+    return config.model_copy(update={"device": placed["device"], "precision": placed["precision"]}), placed["why"]
+
+
 def _uvicorn(app: Any, config: ServeConfig) -> Any:
     """uvicorn's server, with SIGTERM's drain delay: /ready answers 503 at once (``Server.draining``), requests are
     still served for ``--drain-delay`` seconds, the time a Kubernetes endpoint update takes to reach the load
@@ -126,6 +147,7 @@ def serve(config: ServeConfig) -> Served:
     if config.api_key is None and os.environ.get(API_KEY_ENV):
         config = config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
     check_model(config)
+    config, precision_why = place_model(config)
     allow_open_files()
     sock = bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
@@ -150,7 +172,7 @@ def serve(config: ServeConfig) -> Served:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, model, on_fatal)
+    app = create_app(config, model, on_fatal, precision_why)
     server = _uvicorn(app, config)
     # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handler it found: a quiet one here
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -46,8 +46,9 @@ class WorkerPlan:
     so that the runtime's line names the budget it is given), and how many share the machine."""
 
     model: ModelRef  # resolved once by the HTTP process; its files, pinned with their content hash
-    device: str
+    device: str  # the runtime's placement, decided once before the port was bound (``run.place_model``)
     precision: str
+    precision_why: str
     processes: int
     max_batch_tokens: int
 
@@ -61,7 +62,7 @@ def worker_main(conn: Connection, plan: WorkerPlan) -> None:
         from elmo_core.serve.compute import BatchEmbedder
 
         plan.model.check_unchanged()  # a restart must load the model the pool was planned with, or none
-        embedder = BatchEmbedder(plan.model, plan.device, plan.precision, plan.max_batch_tokens)
+        embedder = BatchEmbedder(plan.model, plan.device, plan.precision, plan.precision_why, plan.max_batch_tokens)
         seconds = embedder.warm_up()
         conn.send(("ready", {**embedder.info(), "warm_up_seconds": round(seconds, 3)}))
     except Exception as exc:  # the model cannot load or run here: one line for the user, the server stops
