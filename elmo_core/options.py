@@ -479,10 +479,17 @@ class ServeConfig(Options):
     """``elmo serve``: a biLM answering HTTP requests, concurrent requests packed into shared forward passes."""
 
     model: str = Field(
-        description="model directory (options.json + weights.hdf5), models:/NAME/VERSION, runs:/RUN/model, or a "
-        "published options.json (with --weight-file)"
+        description="model directory (options.json + weights.hdf5), models:/NAME/VERSION, models:/NAME@ALIAS, "
+        "models:/NAME/latest, runs:/RUN/model, or a published options.json (with --weight-file); resolved once, at "
+        "start: SIGHUP or POST /reload resolves it again"
     )
     weight_file: str | None = Field(None, description="the weights.hdf5 of a published options.json given as MODEL")
+    follow_alias: float | None = Field(
+        None,
+        gt=0,
+        description="every SECONDS, resolve MODEL again (models:/NAME@champion) and move to what it names, as a "
+        "reload does: loaded beside, switched to when warm",
+    )
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface; then set an API key)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: a free one, printed)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")

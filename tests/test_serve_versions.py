@@ -181,3 +181,37 @@ def test_a_request_begun_before_a_switch_ends_on_its_version(tmp_path: Path) -> 
         from tests.helpers import stop_group
 
         stop_group(proc)
+
+
+def test_a_server_following_an_alias_moves_with_it_once(tmp_path: Path) -> None:
+    """``--follow-alias``: the alias moved to another version, and with no other word the server moves to it; a
+    client asking all along meets version 1, then version 2, never one after the other again."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    register(uri, MODEL, "followed")
+    second = register(uri, other_weights(tmp_path / "second", 1.1), "followed")
+    client = mlflow.MlflowClient(uri)
+    client.set_registered_model_alias("followed", "champion", "1")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "ELMO_CACHE_DIR": str(tmp_path / "cache")}
+    proc, base = _serve(tmp_path, "models:/followed@champion", "--follow-alias", "0.5", env=env)
+    seen: list[str] = []
+    stop = threading.Event()
+    asking = threading.Thread(target=lambda: [seen.append(ask(base)[0]) for _ in iter(stop.is_set, True)])
+    try:
+        _until(lambda: httpx.get(f"{base}/ready").status_code == 200, "/ready")
+        asking.start()
+        _until(lambda: len(seen) >= 3, "answers from the champion")
+        client.set_registered_model_alias("followed", "champion", "2")
+        _until(lambda: httpx.get(f"{base}/info").json()["model"] == second, "the server following the alias")
+        count = len(seen)
+        _until(lambda: len(seen) >= count + 3, "answers after the move")
+    finally:
+        stop.set()
+        if asking.is_alive():
+            asking.join(timeout=60)
+        from tests.helpers import stop_group
+
+        stop_group(proc)
+    switch = seen.index(second)
+    assert switch >= 3 and seen[:switch] == ["models:/followed/1"] * switch and set(seen[switch:]) == {second}

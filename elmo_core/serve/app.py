@@ -438,6 +438,14 @@ async def bad_body(request: Request, error: RequestValidationError) -> JSONRespo
     return await request_error(request, Unprocessable(message, param=problems[0][0] if problems else None))
 
 
+async def _follow(server: Server, seconds: float) -> None:
+    """``--follow-alias``: a reload every ``seconds`` (``Versions.reload``: nothing happens where the reference still
+    names the served model); a store that is away is logged and asked again next time."""
+    while True:
+        await asyncio.sleep(seconds)
+        await server.versions.reload()  # type: ignore[union-attr]
+
+
 def create_app(
     config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None], precision_why: str
 ) -> FastAPI:
@@ -455,7 +463,10 @@ def create_app(
             loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(server.versions.reload()))
         except (NotImplementedError, RuntimeError, ValueError, AttributeError):
             pass
+        follow = asyncio.ensure_future(_follow(server, config.follow_alias)) if config.follow_alias else None
         yield
+        if follow is not None:
+            follow.cancel()
         await server.stop()
 
     app = FastAPI(title="elmo serve", summary="ELMo vectors on request", lifespan=lifespan)
