@@ -353,3 +353,16 @@ def as_disk_full(exc: BaseException, folder: str | Path | None) -> Exception | N
         return exc
     named = getattr(exc, "filename", None)
     return disk_full_error(folder or (Path(named).parent if isinstance(named, str) else Path.cwd()), exc=exc)
+
+
+CACHE_ENV = "ELMO_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """This machine's cache for the project, the one folder every cache lives under: downloaded and converted models
+    (``runtime.reference``), built C kernels (``bilm.kernels.fused_gates``). ``$ELMO_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/elmo``, else ``~/.cache/elmo``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "elmo"

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elmo_core.config import ModelConfig, PresetName, preset
+from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION, DEFAULT_TRAINING_PRECISION
 from elmo_core.errors import ConfigError
 from elmo_core.text.tokenize import TokenizerName
 
@@ -258,7 +259,7 @@ class TrainOptions(Options):
         None, description="sparse softmax gradients; default: on for >50k words with Adagrad in one process"
     )
     seed: int = Field(0, description="seeds the model init, the data order and the sampler")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N")
     lr_schedule: Literal["constant", "inverse_sqrt", "cosine"] = Field(
         "constant",
         description="after the warm-up: constant (bilm-tf), inverse_sqrt (lr * sqrt(warmup/step)) or cosine (to 0 at "
@@ -266,7 +267,7 @@ class TrainOptions(Options):
     )
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to learning_rate")
     precision: Precision = Field(
-        "auto",
+        DEFAULT_TRAINING_PRECISION,
         description="fp32, bf16 (autocast; fp32 master weights, cell state, loss), auto: bf16 where the hardware "
         "computes it natively (CUDA, CPUs with avx512_bf16 or AMX), else fp32",
     )
@@ -383,9 +384,9 @@ class EmbedOptions(Options):
     stateful: bool = Field(
         False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)"
     )
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
+    device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
     precision: InferencePrecision = Field(
-        "fp32",
+        DEFAULT_INFERENCE_PRECISION,
         description="fp32 (bilm-tf exact), auto (bf16 where native, else fp32), bf16 (matmuls in bfloat16, cell "
         "state in fp32) or int8 (CPU: the LSTM step's products on int8 weights)",
     )
@@ -427,7 +428,7 @@ class PerplexityConfig(Options):
     split: Literal["heldout", "train", "test"] = Field("heldout", description="which split to score")
     batch_size: int = Field(64, gt=0, description="rows per batch")
     max_batches: int | None = Field(None, gt=0, description="score at most this many batches")
-    device: str = Field("cpu", description="cpu, cuda or cuda:N")
+    device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N")
 
 
 class ExportConfig(Options):
@@ -479,22 +480,17 @@ class ServeConfig(Options):
     """``elmo serve``: a biLM answering HTTP requests, concurrent requests packed into shared forward passes."""
 
     model: str = Field(
-        description="model directory (options.json + weights.hdf5), models:/NAME/VERSION, models:/NAME@ALIAS, "
-        "models:/NAME/latest, runs:/RUN/model, or a published options.json (with --weight-file); resolved once, at "
-        "start: SIGHUP or POST /reload resolves it again"
+        description="model directory, models:/NAME/VERSION, models:/NAME@ALIAS, models:/NAME/latest, runs:/RUN/model, "
+        "or a published options.json (with --weight-file); resolved once, at start (SIGHUP, POST /reload: again)"
     )
     weight_file: str | None = Field(None, description="the weights.hdf5 of a published options.json given as MODEL")
-    follow_alias: float | None = Field(
-        None,
-        gt=0,
-        description="every SECONDS, resolve MODEL again (models:/NAME@champion) and move to what it names, as a "
-        "reload does: loaded beside, switched to when warm",
-    )
+    follow_alias: float | None = Field(None, gt=0, description="every SECONDS, reload: move with MODEL's alias")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface; then set an API key)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: a free one, printed)")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    precision: Literal["auto", "fp32", "bf16", "int8"] = Field(
-        "fp32", description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8"
+    device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N")
+    precision: InferencePrecision = Field(
+        DEFAULT_INFERENCE_PRECISION,
+        description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8",
     )
     tokenizer: TokenizerName = Field("unicode", description="how raw text is split, as `elmo embed --tokenizer` does")
     max_batch_tokens: int = Field(4096, gt=0, description="tokens per forward pass (tokens/s is flat from ~2,500)")
@@ -528,9 +524,7 @@ class ServeConfig(Options):
 
 
 class InfoConfig(Options):
-    model: str | None = Field(
-        None, description="model directory (options.json + weights.hdf5 [+ vocab.txt]) or an MLflow model URI"
-    )
+    model: str | None = Field(None, description="model directory (options.json + weights.hdf5) or an MLflow model URI")
 
 
 class AllennlpElmoConfig(Options):
@@ -548,7 +542,7 @@ class AllennlpElmoConfig(Options):
     forget_sentences: bool = Field(False, description="leave out the sentence_to_index dataset")
     use_sentence_keys: bool = Field(False, description="key datasets by the sentence instead of its line number")
     stateful: bool = Field(False, description="carry the LSTM state from batch to batch, as AllenNLP did")
-    precision: InferencePrecision = Field("fp32", description="fp32 (exact), bf16 or int8 (CPU; faster)")
+    precision: InferencePrecision = Field(DEFAULT_INFERENCE_PRECISION, description="fp32 (exact), bf16 or int8 (CPU)")
 
 
 class DemoConfig(Options):
@@ -566,8 +560,8 @@ class DemoConfig(Options):
 class ProbeOptions(Options):
     """What every probe shares: how the vectors are made and where the run is tracked."""
 
-    precision: InferencePrecision = Field("fp32", description="precision of the embedding step")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    precision: InferencePrecision = Field(DEFAULT_INFERENCE_PRECISION, description="precision of the embedding step")
+    device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N")
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="log the probe as an MLflow run, or not")
     mlflow_experiment: str = Field("elmo-probe", description="MLflow experiment name")
 

@@ -195,10 +195,10 @@ def evaluate_stage(
 
     def work() -> dict[str, Any]:
         if not (run_id and config.tracking == "mlflow"):
-            return evaluate_export(model_dir, data)
+            return evaluate_export(model_dir, data, device=config.device)
         tracker = MLflowTracker(config.mlflow_experiment, tracking_uri=config.tracking_uri, run_id=run_id)
         try:
-            return evaluate_export(model_dir, data, tracker)
+            return evaluate_export(model_dir, data, tracker, config.device)
         finally:
             tracker.close()
 

@@ -13,7 +13,7 @@ from elmo_core import BiLM, batch_to_ids
 from elmo_core.bilm.kernels import choice, layer_steps
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.lstm import LstmCell, _recurrence
-from elmo_core.precision import cpu_has_native_bf16
+from elmo_core.precision import cpu_has_native_bf16, resolve_precision
 from tests.helpers import needs_native_bf16, random_tiny_model
 from tests.test_model_fixtures import ATOL, _max_protocol_error
 
@@ -133,20 +133,26 @@ def test_bf16_is_as_close_to_fp32_as_the_cpu_cells_bf16(allennlp_dir, fixture_se
 
 def test_chosen_once_and_named_cuda_s_default_the_cpu_keeps_its_c_kernels(monkeypatch):
     lstm = _random_model().config.lstm
-    cpu = choice.choose(torch.device("cpu"), "fp32", lstm)
+    cpu = choice.choose(torch.device("cpu"), resolve_precision("fp32", "cpu"), lstm)
     assert not cpu.layer_at_once and "a layer at a time" not in str(cpu)  # measured slower here: docs/what-runs.md
-    cuda = choice.choose(torch.device("cuda"), "fp32", lstm)
+    cuda = choice.choose(torch.device("cuda"), resolve_precision("fp32", "cuda"), lstm)
     assert cuda.layer_at_once and cuda.cpu_cells and "the clipped LSTM a layer at a time" in str(cuda)
-    assert not choice.choose(torch.device("cuda"), "fp32", lstm, cpu_cells=False).cpu_cells  # the reference asked for
+    assert not choice.choose(
+        torch.device("cuda"), resolve_precision("fp32", "cuda"), lstm, cpu_cells=False
+    ).cpu_cells  # the reference asked for
     if "int8" in choice.offered_precisions("cpu"):
         with pytest.raises(ValueError, match="no int8 products"):
-            choice.choose(torch.device("cpu"), "int8", lstm, layer_at_once=True)
+            choice.choose(torch.device("cpu"), resolve_precision("int8", "cpu"), lstm, layer_at_once=True)
     monkeypatch.setenv("ELMO_NO_LAYER_STEPS", "1")
-    assert not choice.choose(torch.device("cuda"), "fp32", lstm).cpu_cells  # the reference cell
+    assert not choice.choose(
+        torch.device("cuda"), resolve_precision("fp32", "cuda"), lstm
+    ).cpu_cells  # the reference cell
     unclipped = lstm.model_copy(update={"cell_clip": None, "proj_clip": None})
-    assert choice.choose(torch.device("cuda"), "fp32", unclipped).nn_lstm  # cuDNN where nothing clips
+    assert choice.choose(
+        torch.device("cuda"), resolve_precision("fp32", "cuda"), unclipped
+    ).nn_lstm  # cuDNN where nothing clips
     monkeypatch.setenv("ELMO_NO_COMPILE", "1")
-    off = choice.choose(torch.device("cpu"), "fp32", lstm, layer_at_once=True)
+    off = choice.choose(torch.device("cpu"), resolve_precision("fp32", "cpu"), lstm, layer_at_once=True)
     assert not off.compiled and "PyTorch ops (ELMO_NO_COMPILE=1)" in str(off)
 
 

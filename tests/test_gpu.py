@@ -24,7 +24,7 @@ def test_cuda_float32_matches_cpu(allennlp_dir):
 def test_cuda_bf16_autocast_is_close(allennlp_dir):
     cpu = BiLM.from_pretrained(str(allennlp_dir))
     gpu = BiLM.from_pretrained(str(allennlp_dir), device="cuda")
-    for a, b in zip(cpu.embed_sentences(SENTENCES), gpu.embed_sentences(SENTENCES, bf16=True)):
+    for a, b in zip(cpu.embed_sentences(SENTENCES), gpu.embed_sentences(SENTENCES, precision="bf16")):
         assert a.shape == b.shape and b.dtype == np.float32
         np.testing.assert_allclose(a, b, atol=0.1)
 

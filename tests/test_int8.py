@@ -67,7 +67,7 @@ def test_int8_activations_take_8_bits_and_layer_0_bf16_only_where_the_cpu_sums_i
         before = torch.backends.quantized.engine
         weights = int8.Int8Weights(torch.randn(2, 16, 8))
         assert torch.backends.quantized.engine == before
-        kernels = choice.choose(torch.device("cpu"), "int8", LstmConfig())
+        kernels = choice.choose(torch.device("cpu"), resolve_precision("int8", "cpu"), LstmConfig())
         return precision_module.int8_engine(), weights.reduce_range, kernels.encoder_bf16
 
     vnni, native = cpu.facts().vnni, precision_module.cpu_has_native_bf16()

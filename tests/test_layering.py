@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # and inside a package (ROOMS below) likewise; what sits below the package is open to all of it.
 LAYERS = [
     "errors",
+    "defaults",  # one default per runtime decision (torch-free)
     "cpu",
     "heap",  # this process's C heap: large buffers reused
     "fileio",
@@ -46,7 +47,7 @@ ROOMS = {
         *("initialization", "softmax", "fine_tune", "__init__"),
     ],
     "bilm.kernels": [
-        *("cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells"),
+        *("switches", "cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells"),
         *("cuda_graphs", "layer_steps", "choice", "__init__"),
     ],
     "train": [

@@ -3,7 +3,6 @@ command asks, a registered model is downloaded once per machine, and each precis
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
@@ -23,60 +22,6 @@ from tests.helpers import ROOT, run_elmo
 
 SENTENCE = ["The", "apple", "fell", "from", "the", "tree", "."]
 OTHERS = [["Apple", "shares", "rose", "sharply", "on", "Monday", "after", "the", "report", "."], ["Hi", "."]]
-
-# who may call what decides how a model runs: the runtime, and the modules that define the decision itself
-DECISIONS = {
-    "pick_device": {"precision.py"},
-    "resolve_precision": {"precision.py", "bilm/kernels/choice.py"},  # the kernel choice passes a Precision through
-    "apply_thread_share": {"cpu.py"},
-    "int8_engine": {"precision.py", "bilm/kernels/int8.py", "bilm/kernels/choice.py"},  # what packs and what follows
-    "set_num_threads": {"cpu.py"},  # apply_thread_share itself
-    "download_model": {"tracking.py"},
-    "registered_version": {"tracking.py"},
-    "from_pretrained": {"bilm/model.py", "train/loop.py"},  # the model's own API; a fine-tune's start, resolved
-}
-
-
-def _calls(path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Call):
-            f = node.func
-            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            owner = getattr(f.value, "id", "") if isinstance(f, ast.Attribute) else ""
-            if name != "from_pretrained" or owner in ("BiLM", "cls"):  # torch's nn.Embedding.from_pretrained is not
-                names.add(name)
-    return names
-
-
-def _breaches(root) -> list[str]:
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        where = path.relative_to(root).as_posix()
-        if where.startswith("runtime/"):
-            continue
-        for name in _calls(path) & set(DECISIONS):
-            if where not in DECISIONS[name]:
-                found.append(f"{where} calls {name}")
-    return found
-
-
-def test_the_model_device_precision_and_threads_are_decided_in_the_runtime_alone():
-    assert _breaches(ROOT / "elmo_core") == []
-
-
-def test_the_one_room_check_sees_a_stage_deciding_for_itself(tmp_path):
-    """A copy of the stage that embeds, resolving its own precision and threads, is caught."""
-    (tmp_path / "vectors").mkdir()
-    stray = tmp_path / "vectors" / "embed.py"
-    stray.write_text(
-        "import torch\nfrom elmo_core.precision import resolve_precision\n"
-        "p = resolve_precision('auto', 'cpu')\ntorch.set_num_threads(2)\n"
-    )
-    assert sorted(_breaches(tmp_path)) == [
-        "vectors/embed.py calls resolve_precision",
-        "vectors/embed.py calls set_num_threads",
-    ]
 
 
 def test_a_sentence_gets_the_same_vectors_from_every_command(tmp_path, allennlp_dir):

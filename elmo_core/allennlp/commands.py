@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from elmo_core.allennlp.modules import _ElmoBiLm, remove_sentence_boundaries
+from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.runtime import Runtime
 from elmo_core.text.chars import batch_to_ids
@@ -70,7 +71,7 @@ class ElmoEmbedder:
         cuda_device: int = -1,
         *,
         stateful: bool = False,
-        precision: str = "fp32",
+        precision: str = DEFAULT_INFERENCE_PRECISION,
     ) -> None:
         options_file = _local(options_file, "options file", weight_file)
         weight_file = _local(weight_file, "weight file", options_file)

@@ -20,6 +20,7 @@ from elmo_core.allennlp.keys import allennlp_keys, from_allennlp, to_allennlp
 from elmo_core.bilm.inference import LstmState, StateCarry
 from elmo_core.bilm.model import BiLM
 from elmo_core.bilm.scalar_mix import ScalarMix
+from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION
 from elmo_core.errors import ConfigError
 from elmo_core.runtime import Runtime
 from elmo_core.text.chars import batch_to_ids
@@ -82,9 +83,9 @@ class _ElmoBiLm(nn.Module):
         vocab_to_cache: list[str] | None = None,
         *,
         stateful: bool = False,
-        precision: str = "fp32",
+        precision: str = DEFAULT_INFERENCE_PRECISION,
         bilm: BiLM | None = None,
-        device: str = "cpu",
+        device: str = "cpu",  # AllenNLP's: a module's weights start on the CPU, as every torch module's; .to() moves
     ) -> None:
         super().__init__()
         if bilm is None:  # the model opened as every command opens one: the runtime resolves, places, prepares
@@ -185,7 +186,7 @@ class Elmo(nn.Module):
         module: nn.Module | None = None,
         *,
         stateful: bool = False,
-        precision: str = "fp32",
+        precision: str = DEFAULT_INFERENCE_PRECISION,
     ) -> None:
         super().__init__()
         if module is not None:

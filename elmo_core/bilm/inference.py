@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION
+
 log = logging.getLogger(__name__)
 
 # (h, c) of every layer and direction: h (L, 2, B, P), c (L, 2, B, H); direction 0 forward, 1 backward.
@@ -266,8 +268,7 @@ def embed_sentences(
     batch_size: int | None = None,
     stateful: bool = False,
     carry: StateCarry | None = None,
-    precision: str = "fp32",
-    bf16: bool | None = None,
+    precision: str = DEFAULT_INFERENCE_PRECISION,
     max_batch_tokens: int = MAX_BATCH_TOKENS,
 ) -> list[np.ndarray]:
     """One float32 array (L+1, n_tokens, 2P) per sentence, boundaries removed.
@@ -278,9 +279,6 @@ def embed_sentences(
     batches of ``batch_size`` (default 64) in the given order, the state carried per row like AllenNLP's
     ``ElmoEmbedder``. ``precision`` "bf16" runs the matmuls in bfloat16 with the cell state in float32.
     """
-    if bf16 is not None:
-        precision = "bf16" if bf16 else "fp32"
-        log.warning("embed_sentences(bf16=) is deprecated; use precision=%r", precision)
     if stateful and carry is None:
         carry = StateCarry()
     in_order = carry is not None

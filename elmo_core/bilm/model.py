@@ -41,7 +41,9 @@ from elmo_core.bilm.lstm import Cell, Clips, ElmoLstm, LstmCell
 from elmo_core.bilm.manylangs import Dictionaries, read_model, spelling, write_model
 from elmo_core.bilm.packing import Packing, TokenBatch, with_boundaries
 from elmo_core.config import CharCNNConfig, LstmConfig, ManyLangsConfig, ModelConfig
+from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION
 from elmo_core.errors import WeightFileError
+from elmo_core.precision import resolve_precision
 from elmo_core.text.chars import N_CHARS, PAD_ID
 
 # ----- 1. context-independent token encoder ---------------------------------------------------------
@@ -144,12 +146,23 @@ class KernelChoice:
 
     def __init__(self, lstm: LstmConfig) -> None:
         self.lstm = lstm
-        self.kernels: Kernels | None = None
+        self._kernels: Kernels | None = None
         self.training: TrainingKernels | None = None
+        self.wanted: str | None = None  # loaded for this precision: prepared on its first call without gradients
         self._made: dict[Kernels, Kernels] = {}
 
+    @property
+    def kernels(self) -> Kernels | None:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: Kernels | None) -> None:
+        self._kernels, self.wanted = kernels, None  # what is set, None included, is what runs from now on
+
     def prepare(self, device: torch.device, precision: str, **choices: Any) -> Kernels:
-        chosen = choose(device, precision, self.lstm, **choices)
+        """The model's own API takes a precision's name: resolved here for ``device`` (a runtime passes one it
+        resolved, unchanged) and handed to the chooser, which never resolves."""
+        chosen = choose(device, resolve_precision(precision, device), self.lstm, **choices)
         self.kernels = self._made.setdefault(chosen, chosen)
         return self.kernels
 
@@ -171,6 +184,8 @@ class KernelChoice:
     def for_call(self, device: torch.device) -> Kernels | None:
         """The prepared kernels where they apply to this call: this device, no gradients, and no autocast of the
         caller's that they were not chosen for. Otherwise the reference runs, under whatever autocast is on."""
+        if self._kernels is None and self.wanted is not None and not torch.is_grad_enabled():
+            self.prepare(device, self.wanted)  # a loaded model's first inference call: its kernels, chosen once
         kernels = self.kernels
         if kernels is None or torch.is_grad_enabled() or not kernels.runs_on(device):
             return None
@@ -227,12 +242,13 @@ class BiLM(nn.Module):
         cls,
         options_file: str,
         weight_file: str | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "cpu",  # a module's weights start on the CPU, as every torch module's
         vocab_file: str | None = None,
-        precision: str = "fp32",
+        precision: str = DEFAULT_INFERENCE_PRECISION,
     ) -> BiLM:
         """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory, or a released
-        ELMoForManyLangs folder), in eval mode, prepared for inference in ``precision``."""
+        ELMoForManyLangs folder), in eval mode, for inference in ``precision``: its kernels are chosen on its first
+        call without gradients (``prepare`` chooses them now), never while loading."""
         config, state_dict, vocab, dictionaries = read_model(options_file, weight_file, vocab_file)
         model = cls(config, vocab=vocab, dics=dictionaries)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -241,7 +257,7 @@ class BiLM(nn.Module):
                 f"{options_file}: weights do not fit the model: missing {missing}, unexpected {unexpected}"
             )
         model = model.to(device).eval()
-        model.prepare(precision)
+        model.runs.wanted = precision  # its kernels are chosen where it first runs (a runtime chooses them itself)
         return model
 
     def save_pretrained(self, directory: str) -> None:
@@ -270,7 +286,7 @@ class BiLM(nn.Module):
     def kernels(self, kernels: Kernels | None) -> None:
         self.runs.kernels = kernels
 
-    def prepare(self, precision: str = "fp32", **choices: Any) -> Kernels:
+    def prepare(self, precision: str = DEFAULT_INFERENCE_PRECISION, **choices: Any) -> Kernels:
         """Choose, once, what runs this model's inference on its device in ``precision`` (``kernels.choose``;
         ``choices`` force one kernel or another). Calls without gradients then run it; returns the choice."""
         return self.runs.prepare(self.device, precision, **choices)

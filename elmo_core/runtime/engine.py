@@ -38,6 +38,7 @@ from elmo_core.bilm.inference import (
 )
 from elmo_core.bilm.model import BiLM
 from elmo_core.config import ModelConfig
+from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION
 from elmo_core.runtime.output import ALL_LAYERS, Output
 from elmo_core.runtime.placement import Placement, place, take_threads
 from elmo_core.runtime.reference import ModelRef, resolve_model
@@ -103,8 +104,8 @@ class Runtime:
         *,
         weight_file: str | None = None,
         placement: Placement | None = None,
-        device: str = "auto",
-        precision: str = "fp32",
+        device: str = DEFAULT_DEVICE,
+        precision: str = DEFAULT_INFERENCE_PRECISION,
         threads: int | None = None,
         max_batch_tokens: int | None = None,
         word_cache_bytes: int = WORD_CACHE_BYTES,
@@ -121,8 +122,8 @@ class Runtime:
             str(ref.weights),
             device=placement.device,
             vocab_file=str(ref.vocab) if ref.vocab else None,
-            precision=placement.precision,
         )
+        bilm.prepare(placement.precision)  # the kernels, chosen once, for the precision placed
         budget, why = (max_batch_tokens, "asked for") if max_batch_tokens else token_budget(bilm.device, bilm.config)
         runtime = cls(ref, bilm, placement, taken, budget, word_cache_bytes, why)
         log.info("%s", runtime.line())

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from elmo_core import cpu
-from elmo_core.precision import PRECISIONS, Precision, pick_device, resolve_precision
+from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION
+from elmo_core.precision import (
+    PRECISIONS,
+    Precision,
+    pick_device,
+    resolve_precision,
+)
 
 INFERENCE_PRECISIONS = PRECISIONS  # auto, fp32, bf16, int8: the same values, the same meaning, in every command
 TRAINING_PRECISIONS = ("auto", "fp32", "bf16")  # int8 runs inference only
@@ -37,7 +43,7 @@ class Placement:
         return f"{self.device}, {self.precision} ({self.precision.why})"
 
 
-def place(device: str | torch.device = "auto", precision: str = "fp32") -> Placement:
+def place(device: str | torch.device = DEFAULT_DEVICE, precision: str = DEFAULT_INFERENCE_PRECISION) -> Placement:
     """The device (``auto``: CUDA where there is a GPU) and the precision resolved for it, refused in one line
     where it cannot run usefully (``precision.resolve_precision``)."""
     chosen = pick_device(str(device))
@@ -56,6 +62,12 @@ def take_threads(asked: int | None = None) -> tuple[int, str]:
     return torch.get_num_threads(), f"torch's default on {cpu.usable_cores()} usable cores"
 
 
+def visible_gpus() -> int:
+    """The GPUs this process sees (``CUDA_VISIBLE_DEVICES``): a launch's ``nproc_per_node: auto`` starts one rank
+    each."""
+    return torch.cuda.device_count()
+
+
 def gpu_processes(device: str) -> list[dict[str, str]]:
     """One process per GPU for a job of many units placed on ``device``: where it is ``cuda`` (no index) and this
     machine shows more than one GPU, the environment of each process shows it one (``CUDA_VISIBLE_DEVICES``), on
@@ -63,7 +75,7 @@ def gpu_processes(device: str) -> list[dict[str, str]]:
     ``cuda:N`` keeps it on GPU N."""
     if device != "cuda":
         return []
-    return one_gpu_each(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return one_gpu_each(visible_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def one_gpu_each(count: int, visible: str | None) -> list[dict[str, str]]:

@@ -33,7 +33,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -42,12 +41,11 @@ from pathlib import Path
 from elmo_core import tracking
 from elmo_core.config import OPTIONS_NAME, resolve_model_files
 from elmo_core.errors import InputError
-from elmo_core.fileio import FolderLock
+from elmo_core.fileio import FolderLock, cache_root
 from elmo_core.text.manylangs_chars import is_release
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "ELMO_CACHE_DIR"
 REGISTERED = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>[^/]+)|@(?P<alias>[^/]+))/?$")
 
 
@@ -132,14 +130,6 @@ def _content_id(options: Path, weights: Path, *stamps: int) -> str:
             for block in iter(lambda: f.read(1 << 22), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """Where downloaded models live on this machine."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "elmo"
 
 
 def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:

@@ -83,7 +83,7 @@ class Server:
     def __init__(
         self, config: ServeConfig, resolve_model: Callable[[], Any], on_fatal: Callable[[str], None], why: str
     ) -> None:
-        self.config, self.resolve_model, self.on_fatal, self.precision_why = config, resolve_model, on_fatal, why
+        self.config, self.resolve, self.on_fatal, self.precision_why = config, resolve_model, on_fatal, why
         self.metrics = ServerMetrics()
         self.tokenize = get_tokenizer(config.tokenizer)
         self.batcher: Batcher | None = None
@@ -93,8 +93,7 @@ class Server:
         self.draining = False  # SIGTERM came: /ready answers 503 while requests are still served
 
     @property
-    def pool(self) -> WorkerPool | None:
-        """The pool that answers new requests."""
+    def pool(self) -> WorkerPool | None:  # the pool that answers new requests
         return self.batcher.pool if self.batcher is not None else None
 
     @property
@@ -118,7 +117,7 @@ class Server:
         def make_pool(plan: WorkerPlan, generation: int, on_fatal: Callable[[str], None] | None) -> WorkerPool:
             return WorkerPool(plan, self.batcher, call, generation, on_fatal)  # type: ignore[arg-type]
 
-        self.versions = Versions(config.model, self.resolve_model, plan, make_pool)
+        self.versions = Versions(config.model, self.resolve, plan, make_pool)
         threading.Thread(target=self._start_workers, args=(call,), daemon=True).start()
 
     def _start_workers(self, call: Callable[..., Any]) -> None:
@@ -126,7 +125,7 @@ class Server:
         its content hash, then start the model processes, which all load exactly that."""
         try:
             self.state = "fetching the model"
-            model = self.resolve_model().pinned()
+            model = self.resolve().pinned()
             _options_of(model)  # read here, so a model without its options.json fails in this one line
         except Exception as exc:  # one line, and the server stops
             message = str(exc).splitlines()[0] if str(exc) else repr(exc)

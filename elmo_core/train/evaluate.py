@@ -16,6 +16,7 @@ from elmo_core.bilm.model import BiLM, LstmState
 from elmo_core.bilm.softmax import full_softmax_loss
 from elmo_core.data.batches import LMBatcher
 from elmo_core.data.prefetch import to_tensors
+from elmo_core.defaults import DEFAULT_DEVICE
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.options import PerplexityConfig
 from elmo_core.progress import track
@@ -191,12 +192,15 @@ def perplexity(config: PerplexityConfig) -> dict[str, float]:
         return evaluate(bilm, Path(tmp) / config.split, batch_size=config.batch_size, max_batches=config.max_batches)
 
 
-def evaluate_export(model_dir: str, data: str, tracker: object | None = None) -> dict[str, dict[str, float]]:
+def evaluate_export(
+    model_dir: str, data: str, tracker: object | None = None, device: str = DEFAULT_DEVICE
+) -> dict[str, dict[str, float]]:
     """The exported model's full-softmax perplexity on heldout and test, logged into the training's run as
-    ``heldout/…`` and ``test/…`` where a tracker is given (the pipeline's evaluate stage)."""
+    ``heldout/…`` and ``test/…`` where a tracker is given (the pipeline's evaluate stage), on ``device`` as the
+    runtime places it (the training's device: a GPU's run is scored on the GPU)."""
     from elmo_core.runtime import Runtime
 
-    scores = evaluate_splits(Runtime.open(model_dir, device="cpu").bilm, data)
+    scores = evaluate_splits(Runtime.open(model_dir, device=device).bilm, data)
     if tracker is not None and scores:
         metrics = {f"{split}/{k}": v for split, r in scores.items() for k, v in r.items()}
         tracker.log_metrics(metrics, step=0)  # type: ignore[attr-defined]

@@ -27,13 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from elmo_core import cpu
 from elmo_core.errors import ElmoError
 from elmo_core.options import TrainConfig
 from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
+from elmo_core.runtime.placement import place, visible_gpus
 from elmo_core.runtime.reference import pin_reference
 from elmo_core.stage import WholeStage
 from elmo_core.tracking import check_reachable
@@ -56,7 +55,7 @@ def world_of(config: TrainConfig) -> tuple[int, int]:
     """(processes per node, nodes) the launch options ask for; ``auto``: the visible GPUs, else 1."""
     per_node = config.nproc_per_node
     if per_node == "auto":
-        per_node = torch.cuda.device_count() or 1
+        per_node = visible_gpus() or 1
     return int(per_node), config.nnodes
 
 
@@ -143,7 +142,7 @@ class ProgressRelay:
 def _cpu_share(config: TrainConfig, per_node: int) -> dict[str, str]:
     """CPU ranks split this machine's cores (``cpu.worker_env``): each gets cores / ranks torch threads, where
     torchrun alone would give each one thread, and torch alone each every core."""
-    on_gpu = config.device != "cpu" and torch.cuda.is_available()
+    on_gpu = place(config.device).torch_device.type == "cuda"  # the runtime's device, as each rank's will be
     return {} if on_gpu else cpu.worker_env(per_node)
 
 

@@ -98,7 +98,7 @@ def plan_training(config: TrainConfig, device: torch.device | str | None = None,
     return TrainingPlan(
         config=config,
         device=device,
-        precision=place(device, config.precision).precision,
+        precision=placement.precision,
         kernels=str(kernels),
         recipe_why=recipe_why,
         vocab=vocab,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,13 +21,13 @@ from torch import Tensor, nn
 
 from elmo_core import cpu
 from elmo_core import precision as precision_module
-from elmo_core.bilm.kernels import char_cnn, cuda_graphs, fused_gates, int8, layer_steps, packed, trained_step
+from elmo_core.bilm.kernels import char_cnn, cuda_graphs, fused_gates, int8, layer_steps, packed, switches, trained_step
 from elmo_core.bilm.kernels import step_loop as step_loop_module
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.kernels.cells import CpuCell
 from elmo_core.bilm.kernels.layer_steps import LayerCell
 from elmo_core.config import LstmConfig
-from elmo_core.precision import autocast, cpu_has_native_bf16, native_bf16, resolve_precision
+from elmo_core.precision import Precision, autocast, cpu_has_native_bf16, native_bf16
 
 NN_LSTM = "PyTorch's nn.LSTM (cuDNN on a GPU; the model has no clips, which nn.LSTM cannot do)"
 
@@ -73,6 +72,9 @@ class Kernels:
     cache: WeightCache = field(default_factory=WeightCache, compare=False, repr=False)
 
     def __str__(self) -> str:
+        return self._describe() + switches.line()  # the environment's switches, where any is set, on every line
+
+    def _describe(self) -> str:
         if self.nn_lstm:
             return f"precision {self.precision} on {self.device}: {NN_LSTM}"
         if not self.cpu_cells:
@@ -138,7 +140,7 @@ def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
 
 def choose(
     device: torch.device,
-    precision: str,
+    precision: Precision,
     lstm: LstmConfig,
     *,
     cpu_cells: bool | None = None,
@@ -163,7 +165,11 @@ def choose(
     ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where ``layer_at_once=True`` (never in int8, whose products only
     ``CpuCell`` runs). ``word_gates_bf16`` and ``encoder_bf16``: int8's per-word input product and layer 0 in bf16
     where chosen (``_word_gates_bf16``, ``_encoder_bf16``; False: fp32; True cannot force them)."""
-    precision = resolve_precision(precision, device)
+    if not isinstance(precision, Precision) or precision.device != device.type:  # decided above, never here
+        raise TypeError(
+            f"choose takes a precision resolved for {device.type} (runtime.place, precision.resolve_precision), "
+            f"not {precision!r}"
+        )
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
     if cpu_cells is not False and _layer_at_once(device, precision, layer_at_once):
@@ -225,7 +231,7 @@ def _layer_at_once(device: torch.device, precision: str, forced: bool | None) ->
         raise ValueError("the layer-at-a-time LSTM has no int8 products: use layer_at_once=False in int8")
     if forced is not None:
         return forced
-    return device.type == "cuda" and precision != "int8" and os.environ.get("ELMO_NO_LAYER_STEPS") != "1"
+    return device.type == "cuda" and precision != "int8" and not switches.off("ELMO_NO_LAYER_STEPS")
 
 
 def _layer_kernels(device: torch.device, precision: str, compiled: bool | None, graphs: bool | None) -> Kernels:

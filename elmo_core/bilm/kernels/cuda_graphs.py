@@ -10,10 +10,11 @@ between replays. Importing this module on a machine without CUDA is harmless; ``
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
+
+from elmo_core.bilm.kernels import switches
 
 WARMUP_RUNS = 2  # before a capture, on a side stream: compiles, cuBLAS workspaces and autotuning happen outside it
 
@@ -22,7 +23,7 @@ def available(device: torch.device) -> tuple[bool, str]:
     """Whether the work on ``device`` can be captured, and if not why (for the kernels line)."""
     if device.type != "cuda":
         return False, "not a CUDA device"
-    if os.environ.get("ELMO_NO_CUDA_GRAPHS") == "1":
+    if switches.off("ELMO_NO_CUDA_GRAPHS"):
         return False, "ELMO_NO_CUDA_GRAPHS=1"
     if not torch.cuda.is_available():
         return False, "no CUDA in this process"

@@ -7,10 +7,10 @@ once and writes the cell state and the cell output (already in the dtype the pro
 
 The sources (``lstm_gates.c``; ``lstm_steps.c``, a layer's steps in one call; ``char_cnn.c``, training's char CNN) are
 compiled into one library with the machine's C compiler (``$CC``, else ``cc``) the first time it is needed, for this
-CPU (``-march=native``; ``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``$ELMO_CACHE_DIR`` (default
-``~/.cache/elmo-pipeline``), under a name that hashes the sources, the flags, the compiler and the CPU; later
-processes load the built library. Without a C compiler, or with ``ELMO_NO_FUSED_GATES=1``, the cells run the same
-arithmetic in PyTorch ops (``describe`` says which, and why).
+CPU (``-march=native``; ``x86-64-v3`` under ``ELMO_CPU_ISA=avx2``), into ``kernels/`` of the machine's cache, beside
+its models (``fileio.cache_root``: ``$ELMO_CACHE_DIR``, default ``~/.cache/elmo``), under a name that hashes the
+sources, the flags, the compiler and the CPU; later processes load the built library. Without a C compiler, or with
+``ELMO_NO_FUSED_GATES=1``, the cells run the same arithmetic in PyTorch ops (``describe`` says which, and why).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 from elmo_core import cpu
+from elmo_core.bilm.kernels import switches
 from elmo_core.bilm.lstm_math import reference_gates
+from elmo_core.fileio import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,8 @@ class _GateRows(ctypes.Structure):
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("ELMO_CACHE_DIR"):
-        return Path(os.environ["ELMO_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "elmo-pipeline"
+    """Built libraries, beside the machine's models: one cache folder for the project (``fileio.cache_root``)."""
+    return cache_root() / "kernels"
 
 
 def _cpu_identity() -> str:
@@ -122,7 +123,7 @@ def _build(compiler: str) -> Path:
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or why there is none (a string)."""
-    if os.environ.get("ELMO_NO_FUSED_GATES") == "1":
+    if switches.off("ELMO_NO_FUSED_GATES"):
         return "ELMO_NO_FUSED_GATES=1"
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:

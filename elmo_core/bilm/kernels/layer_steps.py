@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from elmo_core.bilm.inference import SharedRows
-from elmo_core.bilm.kernels import cuda_graphs
+from elmo_core.bilm.kernels import cuda_graphs, switches
 from elmo_core.bilm.kernels.cache import WeightCache
 from elmo_core.bilm.lstm_math import reference_gates, stacked
 
@@ -98,7 +98,7 @@ def lstm_step(
 def compile_available(device: torch.device) -> tuple[bool, str]:
     """Whether ``torch.compile`` can compile ``lstm_step`` for ``device`` here, and if not why: inductor writes Triton
     kernels on CUDA, C++ on a CPU (it needs a C++ compiler). ``ELMO_NO_COMPILE=1`` turns it off."""
-    if os.environ.get("ELMO_NO_COMPILE") == "1":
+    if switches.off("ELMO_NO_COMPILE"):
         return False, "ELMO_NO_COMPILE=1"
     if device.type == "cuda":
         from torch.utils._triton import has_triton

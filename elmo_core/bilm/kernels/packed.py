@@ -15,13 +15,13 @@ model get packed is decided once, by ``kernels.choose``.
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 from elmo_core import cpu
+from elmo_core.bilm.kernels import switches
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def packing(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
 
 @lru_cache(maxsize=8)
 def _packing(dtype: torch.dtype, isa: str | None) -> tuple[bool, str]:
-    if os.environ.get("ELMO_NO_PACKED_WEIGHTS") == "1":
+    if switches.off("ELMO_NO_PACKED_WEIGHTS"):
         return False, "ELMO_NO_PACKED_WEIGHTS=1"
     if not torch.backends.mkldnn.is_available():
         return False, "no oneDNN in this torch"

@@ -17,7 +17,6 @@ to a few 1e-7: the same gate arithmetic (``lstm_math.h``), the products summed i
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from collections.abc import Sequence
 from functools import lru_cache
@@ -25,7 +24,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from elmo_core.bilm.kernels import fused_gates
+from elmo_core.bilm.kernels import fused_gates, switches
 
 PACKED_ROWS = 16  # on the original shape, 2 cores: the loop 2x faster at 1-4 rows, level at 16 and 64
 PANEL = 64  # lstm_steps.c's PANEL
@@ -34,7 +33,7 @@ PANEL = 64  # lstm_steps.c's PANEL
 @lru_cache(maxsize=1)
 def _function() -> ctypes._CFuncPtr | str:
     """``elmo_lstm_steps`` of the built library, or why there is none."""
-    if os.environ.get("ELMO_NO_STEP_LOOP") == "1":
+    if switches.off("ELMO_NO_STEP_LOOP"):
         return "ELMO_NO_STEP_LOOP=1"
     library = fused_gates.library()
     if isinstance(library, str):
