@@ -488,10 +488,7 @@ class ServeConfig(Options):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface; then set an API key)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on (0: a free one, printed)")
     device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N")
-    precision: InferencePrecision = Field(
-        DEFAULT_INFERENCE_PRECISION,
-        description="fp32 (the batch job's default: the same vectors), auto (bf16 where native), bf16 or int8",
-    )
+    precision: InferencePrecision = Field(DEFAULT_INFERENCE_PRECISION, description="fp32 (exact), auto, bf16 or int8")
     tokenizer: TokenizerName = Field("unicode", description="how raw text is split, as `elmo embed --tokenizer` does")
     max_batch_tokens: int = Field(4096, gt=0, description="tokens per forward pass (tokens/s is flat from ~2,500)")
     max_wait_ms: float = Field(2.0, ge=0, description="how long a forward pass with room left waits for company")

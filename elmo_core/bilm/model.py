@@ -246,9 +246,8 @@ class BiLM(nn.Module):
         vocab_file: str | None = None,
         precision: str = DEFAULT_INFERENCE_PRECISION,
     ) -> BiLM:
-        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (or a model directory, or a released
-        ELMoForManyLangs folder), in eval mode, for inference in ``precision``: its kernels are chosen on its first
-        call without gradients (``prepare`` chooses them now), never while loading."""
+        """Load bilm-tf / AllenNLP ``options.json`` + ``weights.hdf5`` (a model directory, a released ManyLangs
+        folder), in eval mode, for ``precision``: kernels chosen on its first call without gradients, not here."""
         config, state_dict, vocab, dictionaries = read_model(options_file, weight_file, vocab_file)
         model = cls(config, vocab=vocab, dics=dictionaries)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)

@@ -138,6 +138,12 @@ def offered_precisions(device: torch.device | str) -> tuple[str, ...]:
     return (*offered, "int8") if torch.device(device).type == "cpu" and int8.available() else offered
 
 
+def _resolved_for(device: torch.device, precision: Precision) -> None:
+    """The chooser takes a precision decided above it (``runtime.place``, ``BiLM.prepare``), and never decides one."""
+    if not isinstance(precision, Precision) or precision.device != device.type:
+        raise TypeError(f"choose takes a Precision resolved for {device.type} (runtime.place), not {precision!r}")
+
+
 def choose(
     device: torch.device,
     precision: Precision,
@@ -165,11 +171,7 @@ def choose(
     ``ELMO_NO_CUDA_GRAPHS=1``); on a CPU only where ``layer_at_once=True`` (never in int8, whose products only
     ``CpuCell`` runs). ``word_gates_bf16`` and ``encoder_bf16``: int8's per-word input product and layer 0 in bf16
     where chosen (``_word_gates_bf16``, ``_encoder_bf16``; False: fp32; True cannot force them)."""
-    if not isinstance(precision, Precision) or precision.device != device.type:  # decided above, never here
-        raise TypeError(
-            f"choose takes a precision resolved for {device.type} (runtime.place, precision.resolve_precision), "
-            f"not {precision!r}"
-        )
+    _resolved_for(device, precision)
     if runs_nn_lstm(lstm, precision, nn_lstm):
         return Kernels(device.type, precision, cpu_cells=False, nn_lstm=True)
     if cpu_cells is not False and _layer_at_once(device, precision, layer_at_once):
