@@ -19,19 +19,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # decision -> {the function that makes it: the modules besides runtime/ that may call it (why, in a comment)}
 DECISIONS: dict[str, dict[str, set[str]]] = {
     "model": {
-        "resolve_model": {
-            "vectors/embed.py",  # the embedding job's plan: once, the job then carries the ModelRef to its workers
+        "lookup_model": {  # a plan's lookup: the registry, the folder, the cache read, nothing written
+            "vectors/embed.py",  # the embedding job's plan; the claim fetches what is not here (ModelLookup.fetch)
             "vectors/probe.py",  # the probe's plan line; its model is pinned first (ProbeStage.settle)
             "train/plan.py",  # the fine-tuned model's shape, of the pinned init_from
+        },
+        "resolve_model": {  # the files, fetched where they are not here: work, under a claim
             "train/loop.py",  # the pinned init_from's files, in each rank
             "serve/run.py",  # the server's HTTP process, once at start and once per reload (serve/versions.py)
         },
         "pin_reference": {"vectors/probe.py", "train/launch.py", "train/evaluate.py"},  # a stage's settle()
-        "registered_version": {"tracking.py"},  # defined there
-        "download_model": {"tracking.py"},
+        "registered_version": set(),  # tracking.py's: the registry asked, by runtime.reference alone
+        "download_model": set(),
     },
     "device": {
-        "pick_device": {"precision.py"},  # defined there; runtime.place is its one caller
+        "pick_device": set(),  # precision.py's; runtime.place is its one caller
         "place": {
             "vectors/embed.py",  # the embedding job's plan
             "train/plan.py",  # the training plan
@@ -46,17 +48,15 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
         },
     },
     "precision": {
-        "resolve_precision": {
-            "precision.py",  # defined there; runtime.place calls it
+        "resolve_precision": {  # precision.py's; runtime.place calls it
             "bilm/model.py",  # the model's own API (prepare("bf16")) takes a name: resolved once, then the chooser
         },
         "int8_engine": {"precision.py", "bilm/kernels/int8.py", "bilm/kernels/choice.py"},  # one cached choice, read
     },
     "threads": {
         "set_num_threads": {"cpu.py"},  # apply_thread_share, which runtime.take_threads calls
-        "apply_thread_share": {"cpu.py"},
+        "apply_thread_share": set(),  # cpu.py's; runtime.take_threads calls it
         "worker_env": {  # the share of the cores, decided by cpu.worker_env; the starters hand it to what they start
-            "cpu.py",
             "stage.py",
             "serve/workers.py",
             "train/launch.py",
@@ -70,7 +70,7 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
     },
     "kernels": {
         "choose": {"bilm/model.py"},  # BiLM.prepare, which the runtime calls once
-        "choose_training": {"bilm/model.py", "train/plan.py"},  # prepare_training, and the plan's line
+        "choose_training": {"bilm/model.py"},  # prepare_training, as the run starts (a plan only reads)
     },
 }
 
@@ -169,6 +169,7 @@ def scan(roots: dict[str, Path]) -> tuple[list[str], dict[str, set[str]], dict[s
     strays: list[str] = []
     makers: dict[str, set[str]] = {decision: set() for decision in DECISIONS}
     deciders: dict[str, set[str]] = {decision: {"runtime/"} for decision in DECISIONS}
+    calls: set[tuple[str, str]] = set()
     for prefix, root in roots.items():
         for path in sorted(root.rglob("*.py")):
             where = prefix + path.relative_to(root).as_posix()
@@ -190,12 +191,17 @@ def scan(roots: dict[str, Path]) -> tuple[list[str], dict[str, set[str]], dict[s
                     continue
                 if where in allowed[name]:
                     makers[decision_of[name]].add(where)
+                    calls.add((name, where))
                 else:
                     strays.append(f"{where} calls {name}")
                     deciders[decision_of[name]].add(where)
             for field, value in _literal_defaults(tree):
                 if (where, field) not in DEFAULT_EXCEPTIONS:
                     strays.append(f"{where} writes {field}={value!r} as a default (defaults.py has it)")
+    scanned = set(roots) == {"", "flows/"} and all(r.name in ("elmo_core", "flows") for r in roots.values())
+    for name, where in ((n, w) for n, ws in allowed.items() for w in ws) if scanned else ():
+        if (name, where) not in calls:  # the list says who asks; one that no longer does is taken off it
+            strays.append(f"DECISIONS lists {where} for {name}, which it no longer calls")
     return sorted(set(strays)), deciders, makers
 
 

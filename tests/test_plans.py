@@ -103,6 +103,57 @@ def test_every_stage_plan_changes_nothing_on_disk(chain):
         assert " to write" in said[name] and " free" in said[name], name
 
 
+def test_plans_download_convert_and_build_nothing(chain, tmp_path):
+    """A plan reads the registry, the folder and the caches and writes none of them: an embedding of a registered
+    version not yet downloaded, of an ELMoForManyLangs release not yet converted, a probe and a scoring of a
+    registered version, a training whose C kernels are not built yet and a fine-tuning of a registered version leave
+    the machine's cache (models, releases, kernels) and the chain as they were; then the job itself fetches what
+    its plan said, under its claim."""
+    from elmo_core.tracking import MLflowTracker
+    from tests.test_manylangs import SMALL, WORDS, write_release
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MLflowTracker(experiment="plans", tracking_uri=uri)
+    assert tracker.log_model_dir(chain / "export", "planned") == "models:/planned/1"
+    tracker.close()
+    release = write_release(tmp_path / "zhs.model", SMALL, WORDS)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "ELMO_CACHE_DIR": str(cache)}
+    text, out = str(chain / "corpus.txt"), tmp_path / "out"
+    commands = {
+        "embed-registered": ["embed", "--model", "models:/planned/latest", "--input", text, "--out", str(out / "e1")],
+        "embed-release": ["embed", "--model", str(release), "--input", text, "--out", str(out / "e2")],
+        "probe-registered": [
+            "probe", "wsd", "--model", "models:/planned/1", "--data", str(chain / "senses.jsonl"),
+            "--out", str(out / "probe"), "--tracking", "none",
+        ],
+        "perplexity-registered": ["perplexity", "--model", "models:/planned/1", "--corpus", str(chain / "ingest")],
+        "train-first-build": ["train", "--config", str(chain / "train.json"), "--out", str(out / "run")],
+        "fine-tune-registered": [
+            "train", "--config", str(chain / "train.json"), "--out", str(out / "tuned"), "--init-from",
+            "models:/planned/latest",
+        ],
+    }  # fmt: skip
+    before = (_snapshot(cache), _snapshot(chain))
+    said = {}
+    for name, command in commands.items():
+        done = run_elmo(*command, "--plan", env=env)
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+        said[name] = done.stdout
+        assert (_snapshot(cache), _snapshot(chain)) == before, name
+    assert "models:/planned/1, downloaded into the model cache" in said["embed-registered"]
+    assert "converted once into" in said["embed-release"]
+    assert "the C kernels built on first use" in said["train-first-build"]
+    assert "fine-tunes model models:/planned/1 (downloaded into the model cache" in said["fine-tune-registered"]
+    assert not out.exists()
+
+    embedded = run_elmo(*commands["embed-registered"], env=env)  # the job fetches what its plan said it would
+    assert embedded.returncode == 0, embedded.stderr[-2000:]
+    assert json.loads((out / "e1" / "_job.json").read_text())["model_version"] == "models:/planned/1"
+    assert any((cache / "models").glob("planned-1-*/model.json")) and any((cache / "kernels").glob("*.so"))
+
+
 def _holder(root: Path, name: str) -> FolderLock:
     """The lock another job on the stage's folder would hold."""
     folder = {

@@ -25,7 +25,10 @@ _EXPORTS = {
     "place": "placement",
     "gpu_processes": "placement",
     "take_threads": "placement",
+    "ModelLookup": "reference",
     "ModelRef": "reference",
+    "lookup_model": "reference",
+    "pin_reference": "reference",
     "resolve_model": "reference",
 }
 __all__ = sorted(_EXPORTS)

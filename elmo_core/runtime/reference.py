@@ -163,11 +163,7 @@ def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:
         raise InputError(
             f"{weight_file}: an ELMoForManyLangs folder ({folder}) carries its weights; give no weight file"
         )
-    stamps = sorted((p.name, *_stamp(p)) for p in folder.iterdir() if p.is_file())
-    identity = json.dumps({"release": str(folder.resolve()), "files": stamps})
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).strip("-") or "release"
-    entry = cache_root() / "releases" / f"{label}-{key}"
+    entry = _release_entry(folder)
     how = "cached"
     if not (entry / OPTIONS_NAME).exists():
         with FolderLock(entry.with_name(entry.name + ".lock"), entry, wait=True):
@@ -180,6 +176,15 @@ def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:
     options, weights, vocab = resolve_model_files(entry)
     origin = f"an ELMoForManyLangs release, {how} in {entry}"
     return ModelRef(asked, options, weights, vocab, origin, str(folder.resolve()))
+
+
+def _release_entry(folder: Path) -> Path:
+    """Where a release is converted, keyed by the folder and the sizes and times of its files."""
+    stamps = sorted((p.name, *_stamp(p)) for p in folder.iterdir() if p.is_file())
+    identity = json.dumps({"release": str(folder.resolve()), "files": stamps})
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", folder.resolve().name).strip("-") or "release"
+    return cache_root() / "releases" / f"{label}-{key}"
 
 
 def _registered_facts(uri: str) -> dict[str, str]:
@@ -210,21 +215,99 @@ def pin_reference(reference: str) -> str:
 
 def _downloaded(asked: str, exact: str, facts: dict[str, str]) -> ModelRef:
     """``exact`` (a URI whose files never change) from the download cache, fetched the first time."""
-    identity = json.dumps({"uri": exact, **facts, "store": facts.get("store") or tracking.resolve_tracking_uri()})
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", exact.split(":/", 1)[1]).strip("-")
-    entry = cache_root() / "models" / f"{label}-{key}"
+    entry, identity = _download_entry(exact, facts)
     how = "cached"
     if not (entry / "model.json").exists():
         with FolderLock(entry.with_name(entry.name + ".lock"), entry, wait=True):
             if not (entry / "model.json").exists():  # another process may have fetched it while this one waited
                 _fetch(exact, entry, identity)
                 how = "downloaded"
+    return _cached(asked, exact, facts, entry, how)
+
+
+def _download_entry(exact: str, facts: dict[str, str]) -> tuple[Path, str]:
+    """Where ``exact`` is downloaded, keyed by what identifies its files (the store, the name, the version, the run
+    that made it and when it was registered), and that identity as JSON."""
+    identity = json.dumps({"uri": exact, **facts, "store": facts.get("store") or tracking.resolve_tracking_uri()})
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "-", exact.split(":/", 1)[1]).strip("-")
+    return cache_root() / "models" / f"{label}-{key}", identity
+
+
+def _cached(asked: str, exact: str, facts: dict[str, str], entry: Path, how: str) -> ModelRef:
     found = entry / json.loads((entry / "model.json").read_text())["folder"]
     options, weights, vocab = resolve_model_files(found)
-    origin = f"{how} in {entry}"
     run_id = facts.get("run_id") or None
-    return ModelRef(asked, options, weights, vocab, origin, exact, facts.get("name"), facts.get("version"), run_id)
+    version = facts.get("version")
+    return ModelRef(asked, options, weights, vocab, f"{how} in {entry}", exact, facts.get("name"), version, run_id)
+
+
+# ----- a lookup: what a plan may do (read the registry, the folder, the cache; write nothing) ------------------
+
+
+@dataclass(frozen=True)
+class ModelLookup:
+    """What a reference names, found without writing a byte: its exact identity, and its files where this machine
+    has them already (``ref``: a folder, a download or conversion in the cache). Where it has not, ``missing`` says
+    what ``fetch`` will do: a download of the exact version, or a release's conversion, which a stage runs under its
+    claim, never in its plan."""
+
+    asked: str
+    exact: str
+    ref: ModelRef | None
+    missing: str = ""
+    registered: str | None = None
+    version: str | None = None
+    run_id: str | None = None
+    weight_file: str | None = None
+
+    @property
+    def model_id(self) -> str | None:
+        """The content hash, where the files are here (else known once fetched)."""
+        return self.ref.model_id if self.ref is not None else None
+
+    def identity(self) -> dict[str, str | None]:
+        if self.ref is not None:
+            return self.ref.identity()
+        names = {"asked": self.asked, "exact": self.exact, "registered_model": self.registered}
+        return {**names, "version": self.version, "run_id": self.run_id, "model_id": None}
+
+    def line(self) -> str:
+        if self.ref is not None:
+            return self.ref.line()
+        exact = f"{self.exact}, " if self.exact != self.asked else ""
+        return f"model {self.asked} ({exact}{self.missing} once the job holds its folders)"
+
+    def fetch(self) -> ModelRef:
+        """The files, fetched or converted where they are not here yet (the lookup's exact version, never what
+        ``latest`` names by now)."""
+        if self.ref is not None:
+            return self.ref
+        ref = resolve_model(self.exact if self.version is not None else self.asked, self.weight_file)
+        return dataclasses.replace(ref, asked=self.asked)
+
+
+def lookup_model(reference: str, weight_file: str | None = None) -> ModelLookup:
+    """What ``reference`` names, read only (the registry, the folder, the cache): what a stage's plan calls. A
+    registered model not yet downloaded and a release not yet converted come back without files
+    (``ModelLookup.fetch`` gets them, under the stage's claim); anything else as ``resolve_model`` finds it."""
+    if reference.startswith(("models:/", "runs:/")):
+        facts = _registered_facts(reference) if reference.startswith("models:/") else {}
+        exact = f"models:/{facts['name']}/{facts['version']}" if facts else reference
+        entry, _ = _download_entry(exact, facts)
+        named = {"registered": facts.get("name"), "version": facts.get("version"), "run_id": facts.get("run_id")}
+        if (entry / "model.json").exists():
+            return ModelLookup(reference, exact, _cached(reference, exact, facts, entry, "cached"), **named)
+        missing = f"downloaded into the model cache {entry.parent}"
+        return ModelLookup(reference, exact, None, missing, **named, weight_file=weight_file)
+    path = Path(reference.removeprefix("file://"))
+    if path.exists() and is_release(path):
+        entry = _release_entry(path)
+        if not (entry / OPTIONS_NAME).exists():
+            missing = f"an ELMoForManyLangs release, converted once into {entry}"
+            return ModelLookup(reference, str(path.resolve()), None, missing, weight_file=weight_file)
+    ref = resolve_model(reference, weight_file)  # a folder, published files, a converted release: read only
+    return ModelLookup(ref.asked, ref.exact or ref.asked, ref, registered=ref.registered, version=ref.version)
 
 
 def _fetch(uri: str, entry: Path, identity: str) -> None:

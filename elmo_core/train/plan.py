@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from elmo_core.bilm.kernels import choose_training
+from elmo_core.bilm.kernels import fused_gates
 from elmo_core.bilm.model import BiLM
 from elmo_core.config import read_options
 from elmo_core.data.vocab import VOCAB_NAME_IN_DATA, check_training_vocab, read_vocab_file
 from elmo_core.fileio import format_bytes, free_bytes, require_space
 from elmo_core.options import TrainConfig
 from elmo_core.precision import Precision
-from elmo_core.runtime import place, resolve_model
+from elmo_core.runtime import ModelRef, lookup_model, place
 from elmo_core.text.manylangs_chars import Dictionaries
 from elmo_core.train.budget import Budget, step_limit
 from elmo_core.train.checkpoint import list_checkpoints, payload_bytes
@@ -47,6 +47,7 @@ class TrainingPlan:
     total_steps: int | None
     clock: str
     space: TrainingSpace  # what it writes, and the room that needs (checked by ``plan_training``)
+    init_from: str = ""  # the model fine-tuned, as the runtime's lookup found it (its line)
 
     def require_room(self) -> None:
         """Refuse in one line (``NoSpaceError``), before anything is written, a run whose checkpoints and export the
@@ -76,6 +77,7 @@ class TrainingPlan:
             f"{self.n_data_tokens:,} train tokens, {n_vocab:,} words, {self.steps_per_epoch:,} steps an epoch; {steps}",
             self.budget().line(threads, table_measured() if config.budget else None),
             self.space.line(config, free_bytes(config.out)),
+            *([self.init_from] if self.init_from else []),
         ]
 
 
@@ -92,9 +94,20 @@ def plan_training(config: TrainConfig, device: torch.device | str | None = None,
     config, recipe_why = choose_for_budget(config, n_data_tokens, len(vocab), device_type=device.type)
     tokens = config.n_train_tokens or n_data_tokens
     steps_per_epoch = max(1, tokens // (config.batch_size * config.unroll_steps * world))
-    kernels = choose_training(device, config.architecture(len(vocab)).lstm)
+    # the kernels are chosen once, as the run starts (``BiLM.prepare_training``); a plan only says whether the C
+    # kernels they would take are built (building them is work, under the claim)
+    kernels = f"kernels: chosen as the run starts; the C kernels {fused_gates.built()}"
     total_steps = step_limit(config, steps_per_epoch)
-    space = training_space(config, vocab, data / VOCAB_NAME_IN_DATA, world, device.type == "cuda", total_steps)
+    start = lookup_model(config.init_from) if config.init_from is not None else None  # read only: no download
+    space = training_space(
+        config,
+        vocab,
+        data / VOCAB_NAME_IN_DATA,
+        world,
+        device.type == "cuda",
+        total_steps,
+        start.ref if start else None,
+    )
     return TrainingPlan(
         config=config,
         device=device,
@@ -108,6 +121,7 @@ def plan_training(config: TrainConfig, device: torch.device | str | None = None,
         total_steps=total_steps,
         clock=config.budget_clock,
         space=space,
+        init_from=f"fine-tunes {start.line()}" if start is not None else "",
     )
 
 
@@ -154,11 +168,18 @@ class TrainingSpace:
 
 
 def training_space(
-    config: TrainConfig, vocab: list[str], vocab_file: Path, world: int, cuda: bool, steps: int | None
+    config: TrainConfig,
+    vocab: list[str],
+    vocab_file: Path,
+    world: int,
+    cuda: bool,
+    steps: int | None,
+    start: ModelRef | None = None,
 ) -> TrainingSpace:
     """What a run of ``config`` over ``steps`` steps (None: until its budget is spent) writes (``TrainingSpace``),
-    from the model's shapes: nothing is allocated."""
-    bilm = _meta_model(config, vocab)
+    from the model's shapes: nothing is allocated. ``start``: the fine-tuned model's files, where they are here
+    (else it is sized as the config's architecture until fetched)."""
+    bilm = _meta_model(config, vocab, start)
     state = bilm.state_dict()
     size = payload_bytes(_checkpoint_payload(config, bilm, world, cuda))
     held = sum(p.stat().st_size for p in list_checkpoints(config.out)[-config.keep_checkpoints :])
@@ -172,12 +193,11 @@ def training_space(
     return TrainingSpace(size, checkpoints, best, export, logs, held)
 
 
-def _meta_model(config: TrainConfig, vocab: list[str]) -> BiLM:
+def _meta_model(config: TrainConfig, vocab: list[str], model: ModelRef | None) -> BiLM:
     """The model the run trains, of meta tensors (shapes, no memory): its config's architecture, or the fine-tuned
     model's (with a ManyLangs model's dictionaries) with a softmax over ``vocab``."""
     architecture, dictionaries = config.architecture(len(vocab)), None
-    if config.init_from is not None:
-        model = resolve_model(config.init_from)  # as the trainer resolves it: a folder, a release, an MLflow URI
+    if model is not None:  # else not on this machine yet: fetched under the claim; sized as the config's meanwhile
         options = read_options(model.options)
         architecture = options.model_copy(update={"n_tokens_vocab": len(vocab)})
         if options.manylangs is not None:

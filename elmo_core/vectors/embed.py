@@ -48,7 +48,7 @@ from elmo_core.errors import InputError, OutputError
 from elmo_core.fileio import atomic_path, require_space, space_line, write_text_atomic
 from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
-from elmo_core.runtime import ModelRef, Output, Placement, Runtime, gpu_processes, place, resolve_model
+from elmo_core.runtime import ModelLookup, ModelRef, Output, Placement, Runtime, gpu_processes, lookup_model, place
 from elmo_core.stage import run_local, show_plan
 from elmo_core.vectors.ann import IndexStage, IndexSummary
 from elmo_core.vectors.ann.files import table_bytes
@@ -89,8 +89,8 @@ class Job:
 
     config: EmbedConfig
     placement: Placement
-    model: ModelRef
-    model_id: str  # ``model.model_id``: hashed once here, not again by every worker
+    model: ModelRef | ModelLookup  # a lookup until the claim fetches what is not on this machine yet (``_ready``)
+    model_id: str | None  # ``model.model_id``: hashed once here, not again by every worker (None: not fetched yet)
     units: list[Unit]
     target: Path
     out: Path
@@ -99,10 +99,14 @@ class Job:
     processes: list[dict[str, str]] = field(default_factory=list)  # one per GPU (``gpu_processes``), or none
     writes_beside: bool = False  # each pass's table written by a thread beside the model (on a GPU: ``_writes``)
 
-    def bytes_to_write(self) -> int:
-        """About the bytes of the units still to write (``ann.table_bytes``, its factors measured on real tables)."""
+    def bytes_to_write(self) -> int | None:
+        """About the bytes of the units still to write (``ann.table_bytes``, its factors measured on real tables);
+        None before the model is fetched (its width is in its options.json)."""
+        ref = self.model if isinstance(self.model, ModelRef) else self.model.ref
+        if ref is None:
+            return None
         todo = [u for u in self.units if not (self.target / u.name).exists()]
-        lstm = read_options(self.model.options).lstm
+        lstm = read_options(ref.options).lstm
         rows = sum(u.stop - u.start if self.config.pool == "mean" else u.tokens for u in todo)
         config = self.config
         return table_bytes(
@@ -111,7 +115,8 @@ class Job:
 
     def lines(self) -> list[str]:
         done = sum((self.target / u.name).exists() for u in self.units)
-        space = space_line(self.out, self.bytes_to_write())
+        size = self.bytes_to_write()
+        space = space_line(self.out, size) if size is not None else "its size known once the model is here"
         return [
             self.model.line(),
             f"on {self.placement.line()}{spread_line(self.processes, self.writes_beside)}",
@@ -142,6 +147,9 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     """What makes ``new`` another job than the folder's ``old`` one. ``new`` may lack ``input`` (the tokenized
     shards, not known before text input is tokenized): then the model, the named source and the options decide."""
     parts = []
+    if new["model_id"] is None:  # not fetched yet: its exact version decides now, its content at the claim
+        moved = old.get("model_version") not in (None, new.get("model_version"))
+        new = {**new, "model_id": old.get("model_id") if not moved else "not on this machine yet"}
     if old.get("model_id") != new["model_id"]:
         was, now = old.get("model_version") or old.get("model"), new.get("model_version") or new.get("model")
         part = f"model {was} (id {old.get('model_id')}) → {now} (id {new['model_id']})"
@@ -199,7 +207,17 @@ def _target(out: Path, work: Path, job: dict[str, Any], overwrite: bool) -> Path
 def _ready(job: Job) -> None:
     """Under the job's lock, before its first unit: the folder is still as the plan found it (another job may have
     claimed it in between), a replacement left by another job is gone, the job's record is written, and the temp
-    files of writers that died are removed."""
+    files of writers that died are removed. A model the plan found not yet on this machine (a registered version
+    not downloaded, a release not converted) is fetched here first, under the lock, and the folder compared with
+    its content."""
+    if isinstance(job.model, ModelLookup):
+        job.model = job.model.fetch()
+        job.model_id = job.identity["model_id"] = job.model.model_id
+        job.identity["model_identity"] = job.model.identity()
+        size = job.bytes_to_write()
+        require_space(
+            job.out, size or 0, "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
+        )
     if _target(job.out, job.work, job.identity, job.config.overwrite) != job.target:
         raise OutputError(f"{job.out}: changed by another job since this one was planned; run it again")
     if job.replaces and _read_job(job.target) != job.identity:  # not an interrupted replacement by this very job
@@ -211,14 +229,14 @@ def _ready(job: Job) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _model_and_options(config: EmbedConfig) -> tuple[Placement, ModelRef, dict[str, Any]]:
+def _model_and_options(config: EmbedConfig) -> tuple[Placement, ModelLookup, dict[str, Any]]:
     """The device and precision, the model, and the job's identity as far as it is known before its input is read;
     a job that differs from the folder's is refused here (reading only), before text input is tokenized."""
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: is a file; --out takes a folder (new, empty, or one this job wrote)")
     placement = place(config.device, config.precision)  # refused here, before anything is written
-    model = resolve_model(config.model)
+    model = lookup_model(config.model)  # read only: a download or a conversion waits for the claim
     known = {
         "model_id": model.model_id,
         "model": config.model,
@@ -255,9 +273,10 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
     processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []
     beside = writes_beside(placement)
     job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
-    require_space(
-        out, job.bytes_to_write(), "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
-    )
+    if (size := job.bytes_to_write()) is not None:  # else checked once the model is fetched (``_ready``)
+        require_space(out, size, "the table", "free some space, or ask for less (--layers mix, --dtype float16)")
+    if model.ref is not None:
+        job.model = model.ref
     return job
 
 

@@ -48,7 +48,7 @@ from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.progress import track
-from elmo_core.runtime import ModelRef, Output, Runtime, resolve_model
+from elmo_core.runtime import ModelRef, Output, Runtime, lookup_model
 from elmo_core.runtime.reference import pin_reference
 from elmo_core.stage import WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
@@ -589,7 +589,7 @@ class ProbeStage(WholeStage):
     def decide(self, config: WsdConfig | TagConfig) -> list[str]:
         if config.tracking == "mlflow":
             check_reachable(config.tracking_uri)  # in seconds, before any work
-        model = resolve_model(config.model)  # the files it will read, refused here where there is no model
+        model = lookup_model(config.model)  # refused here where there is no model; fetched under the claim
         if isinstance(config, WsdConfig):
             what = f"word-sense 1-NN per layer on {config.data or DEFAULT_DIR}"
         else:

@@ -81,14 +81,32 @@ def _cpu_identity() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
+def _key(compiler: str) -> str:
+    """What the built library is named by: the sources, the flags, the compiler's version and the CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [*(f.read_text() for f in [*SOURCES, *HEADERS]), " ".join(_flags()), version, _cpu_identity()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def built() -> str:
+    """Whether the library is built for this CPU, read only (what a plan may say; ``library`` builds it): "built
+    (PATH)", "built on first use, into FOLDER", or why there will be none."""
+    if switches.off("ELMO_NO_FUSED_GATES"):
+        return "off (ELMO_NO_FUSED_GATES=1)"
+    compiler = _compiler()
+    if compiler is None:
+        return "none (no C compiler found (set CC))"
+    library = _cache_dir() / f"lstm_gates-{_key(compiler)}.so"
+    return f"built ({library})" if library.exists() else f"built on first use, into {library.parent}"
+
+
 def _build(compiler: str) -> Path:
     """The shared library for this source, flags, compiler and CPU: built once, then reused from the cache."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [*(f.read_text() for f in [*SOURCES, *HEADERS]), " ".join(_flags()), version, _cpu_identity()]
-        ).encode()
-    ).hexdigest()[:16]
+    key = _key(compiler)
     directory = _cache_dir()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -125,7 +143,7 @@ def _library() -> ctypes.CDLL | str:
     """The loaded kernel, or why there is none (a string)."""
     if switches.off("ELMO_NO_FUSED_GATES"):
         return "ELMO_NO_FUSED_GATES=1"
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    compiler = _compiler()
     if compiler is None:
         return "no C compiler found (set CC)"
     try:
