@@ -214,3 +214,21 @@ def test_two_machines_meet_and_log_one_run_with_each_machines_system_metrics(tmp
     assert run.data.params["data.world_size"] == "2"
     metrics = set(run.data.metrics)
     assert any(k.startswith("system/node0/") for k in metrics) and any(k.startswith("system/node1/") for k in metrics)
+
+
+def test_the_ranks_run_the_plan_their_launcher_made(tmp_path, fixture_data, monkeypatch):  # noqa: F811
+    """The stage plans once, in the launcher, and every rank trains as that plan says: given a plan of 2 steps for a
+    config that asks for 6, the ranks stop at 2 (a rank that planned again would run 6)."""
+    import dataclasses
+
+    from elmo_core.train.launch import PLAN_FILE, TrainStage, launch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = TrainConfig.model_validate_json(
+        _config(tmp_path, fixture_data, "planned", max_steps=6, nproc_per_node=2).read_text()
+    )
+    plan = TrainStage().plan(config)
+    assert plan.training is not None and plan.training.total_steps == 6 and any("2 ranks" in x for x in plan.lines())
+    result = launch(plan.options, lambda line: None, dataclasses.replace(plan.training, total_steps=2))
+    assert result is not None and result.steps == 2
+    assert (tmp_path / "planned" / ".launch" / PLAN_FILE).exists()

@@ -18,12 +18,14 @@ import ctypes
 import json
 import logging
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,26 @@ from elmo_core.progress import Progress
 from elmo_core.ranks import this_process
 from elmo_core.runtime.placement import place, visible_gpus
 from elmo_core.runtime.reference import pin_reference
-from elmo_core.stage import WholeStage
+from elmo_core.stage import Whole, WholePlan, WholeStage
 from elmo_core.tracking import check_reachable
 from elmo_core.train.loop import train
-from elmo_core.train.plan import plan_training
+from elmo_core.train.plan import TrainingPlan, plan_training
 from elmo_core.train.run import TrainResult
 
 log = logging.getLogger(__name__)
 
 LAUNCH_DIR = ".launch"  # in the run folder: the ranks' config, logs and rank 0's result
 RESULT_FILE = "result.json"
+PLAN_FILE, PLAN_ENV = "plan.pickle", "ELMO_TRAINING_PLAN"  # the launcher's plan, which every rank runs
+
+
+def _given_plan() -> TrainingPlan | None:
+    """In a rank of a launch: the plan its launcher made (pickled by this project's launcher into the run folder it
+    holds), or None where it made none (a rank then plans, as a run started by hand does)."""
+    path = os.environ.get(PLAN_ENV)
+    return pickle.loads(Path(path).read_bytes()) if path and Path(path).exists() else None
+
+
 GRACE_S = 25.0  # a stop waits this long for the ranks' checkpoint (Prefect's grace period is 30 s)
 
 
@@ -59,15 +71,18 @@ def world_of(config: TrainConfig) -> tuple[int, int]:
     return int(per_node), config.nnodes
 
 
-def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> TrainResult | None:
-    """Train (or resume) with the launch options of ``config``; see the module docstring. Rank 0's result, or None
-    on a machine other than node 0 (whose launcher has it)."""
+def launch(
+    config: TrainConfig, on_line: Callable[[str], None] = print, plan: TrainingPlan | None = None
+) -> TrainResult | None:
+    """Train (or resume) with the launch options of ``config``, as ``plan`` decided (``TrainStage.plan``; every rank
+    gets it, through ``PLAN_FILE``); see the module docstring. Rank 0's result, or None on a machine other than
+    node 0 (whose launcher has it)."""
     per_node, nodes = world_of(config)
     if this_process().launched:  # a rank of a launch: rank 0 tells the launcher, which reports
-        write_result(train(config))
+        write_result(train(config, plan=_given_plan()))
         return None
     if per_node * nodes == 1:
-        return train(config)
+        return train(config, plan=plan)
     folder = Path(config.out) / LAUNCH_DIR
     if nodes > 1:  # machines sharing a file system each keep their own launch folder
         folder = folder / f"node{config.node_rank}"
@@ -75,6 +90,11 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
     (folder / RESULT_FILE).unlink(missing_ok=True)
     config_file = folder / "config.json"
     config_file.write_text(config.model_dump_json(indent=2))
+    plan_file = folder / PLAN_FILE
+    if plan is not None:  # the ranks run what was planned, not a plan of their own
+        plan_file.write_bytes(pickle.dumps(plan))
+    else:
+        plan_file.unlink(missing_ok=True)
     log.info("launching %d processes per node on %d node(s) with torch.distributed.run", per_node, nodes)
     child = subprocess.Popen(
         _command(config, per_node, config_file, folder / "logs"),
@@ -83,7 +103,12 @@ def launch(config: TrainConfig, on_line: Callable[[str], None] = print) -> Train
         text=True,
         start_new_session=True,  # its own process group, which the stage ends as a whole
         preexec_fn=_die_with_parent,
-        env={**os.environ, **_cpu_share(config, per_node), "ELMO_RESULT_FILE": str(folder / RESULT_FILE)},
+        env={
+            **os.environ,
+            **_cpu_share(config, per_node),
+            "ELMO_RESULT_FILE": str(folder / RESULT_FILE),
+            PLAN_ENV: str(plan_file),
+        },
     )
     lines: list[str] = []
     relay = ProgressRelay()
@@ -293,17 +318,23 @@ class TrainStage(WholeStage):
             return config
         return config.model_copy(update={"init_from": pin_reference(config.init_from)})
 
-    def decide(self, config: TrainConfig) -> list[str]:
-        if this_process().launched:  # the launcher planned the run; each rank's setup takes the same decisions
-            return []
+    def plan(self, config: TrainConfig) -> TrainPlan:
+        """The run's decisions (``plan_training``), made once, here: the unit hands them to the training, and a
+        launch to each of its ranks (``PLAN_FILE``), which plan nothing again. A rank of a launch plans nothing."""
+        config = self.settle(config)
+        whole = [Whole(self.name)]
+        if this_process().launched:  # the launcher planned the run; each rank takes its plan (``_given_plan``)
+            return TrainPlan(config, whole, self.writes(config), [], bool(getattr(config, "wait", False)))
         if config.tracking == "mlflow":
             check_reachable(config.tracking_uri)  # a tracking server that is away: refused first, in seconds
         per_node, nodes = world_of(config)
         world = per_node * nodes
-        plan = plan_training(config, world=world)
-        plan.require_room()  # refused in one line where the run's checkpoints and export will not fit
-        lines = plan.lines()
-        return lines + ([f"{world} ranks ({per_node} a node on {nodes} nodes), torchrun"] if world > 1 else [])
+        training = plan_training(config, world=world)
+        training.require_room()  # refused in one line where the run's checkpoints and export will not fit
+        lines = training.lines() + (
+            [f"{world} ranks ({per_node} a node on {nodes} nodes), torchrun"] if world > 1 else []
+        )
+        return TrainPlan(config, whole, self.writes(config), lines, bool(getattr(config, "wait", False)), training)
 
     def writes(self, config: TrainConfig) -> list[Path]:
         """The run folder, which node 0's launcher holds for every rank; another machine's launcher writes only its
@@ -315,5 +346,12 @@ class TrainStage(WholeStage):
         """The lock of what it writes; a rank of a launch leaves it to its launcher, which holds it for the ranks."""
         return contextlib.nullcontext() if this_process().launched else super().claim(plan)
 
-    def work(self, config: TrainConfig) -> TrainResult | None:
-        return launch(config, self.on_line)
+    def run_unit(self, plan: TrainPlan, unit: Whole, report: Callable[[int], None] | None = None) -> Any:
+        return launch(plan.options, self.on_line, plan.training)
+
+
+@dataclass
+class TrainPlan(WholePlan):
+    """The training stage's plan: its lines, and the decisions themselves (None on a rank of a launch)."""
+
+    training: TrainingPlan | None = None

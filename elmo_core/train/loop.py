@@ -69,7 +69,7 @@ from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
 from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.objective import LMObjective
-from elmo_core.train.plan import plan_training
+from elmo_core.train.plan import TrainingPlan, plan_training
 from elmo_core.train.recipe import describe_softmax, settle_softmax, sparse_softmax, table_measured
 from elmo_core.train.run import Run, TrainResult, restore, save
 
@@ -180,11 +180,14 @@ def _distributed(objective: LMObjective, device: torch.device, ddp: Rank) -> nn.
     return nn.parallel.DistributedDataParallel(objective, device_ids=[device] if device.type == "cuda" else None)
 
 
-def setup(config: TrainConfig, tracker: Tracker | None = None) -> Run:
-    """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked."""
+def setup(config: TrainConfig, tracker: Tracker | None = None, plan: TrainingPlan | None = None) -> Run:
+    """Device, DDP, vocab, model, optimizer, sampler, batcher and tracker; resumed from a checkpoint if asked.
+    ``plan``: the run's decisions as its stage planned them (``launch.TrainStage``; every rank of a launch gets the
+    launcher's), else planned here, as ``elmo train --plan`` prints them."""
     torch.manual_seed(config.seed)
     device, ddp = _device_and_rank(config)
-    plan = plan_training(config, device, ddp.world)  # the run's decisions, as `elmo train --plan` prints them
+    if plan is None:
+        plan = plan_training(config, device, ddp.world)
     config, vocab, precision, recipe_why = plan.config, plan.vocab, plan.precision, plan.recipe_why
     out, data = Path(config.out), Path(config.data)
     n_data_tokens, steps_per_epoch = plan.n_data_tokens, plan.steps_per_epoch
@@ -452,15 +455,16 @@ def finish(run: Run) -> TrainResult:
 LOCK_NAME = ".train.lock"  # in the run folder: one training writes it at a time (rank 0 holds it)
 
 
-def train(config: TrainConfig, tracker: Tracker | None = None) -> TrainResult:
-    """Run (or resume) a training; returns the final perplexity and where the exported model is."""
+def train(config: TrainConfig, tracker: Tracker | None = None, plan: TrainingPlan | None = None) -> TrainResult:
+    """Run (or resume) a training, as ``plan`` decided it where one is given (``setup``); returns the final
+    perplexity and where the exported model is."""
     lock = None
     if this_process().main:  # under torchrun only rank 0 writes the folder and logs
         if config.tracking == "mlflow" and tracker is None:
             check_reachable(config.tracking_uri)  # in seconds, before any work
         lock = FolderLock(Path(config.out) / LOCK_NAME, config.out, wait=config.wait).acquire()
     try:
-        return _train(config, tracker)
+        return _train(config, tracker, plan)
     finally:
         if lock is not None:
             lock.release()
@@ -509,8 +513,8 @@ class _StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _train(config: TrainConfig, tracker: Tracker | None) -> TrainResult:
-    run = setup(config, tracker)
+def _train(config: TrainConfig, tracker: Tracker | None, plan: TrainingPlan | None) -> TrainResult:
+    run = setup(config, tracker, plan)
     status = "FAILED"
     stop = _StopRequest()
     try:
