@@ -150,7 +150,7 @@ def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
 
 
 def cmd_demo(config: DemoConfig) -> None:
-    from elmo_core.vectors.probe import demo
+    from elmo_core.vectors.demo import demo
 
     print("\n".join(demo(config.model, Path(config.input or PROBES), PROJECT_ROOT / "data")))
 

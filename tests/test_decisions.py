@@ -39,6 +39,7 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
             "train/plan.py",  # the training plan
             "train/loop.py",  # a rank's device before its process group starts
             "train/launch.py",  # whether the launched ranks share the CPU's cores
+            "vectors/probe.py",  # the probe's plan
         },
         "device_count": set(),  # runtime.placement.visible_gpus
         "is_available": {

@@ -57,7 +57,8 @@ ROOMS = {
         "__init__",
     ],
     "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],
-    "vectors": ["ann", "sources", "embed", "probe", "query", "__init__"],  # the index: a part of an embedding job
+    # the index (ann): a part of an embedding job
+    "vectors": ["ann", "sources", "embed", "probe", "demo", "query", "__init__"],
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
     "serve": ["api", "compute", "workers", "versions", "metrics", "middleware", "batcher", "app", "run", "__init__"],

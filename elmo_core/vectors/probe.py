@@ -33,7 +33,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +41,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from elmo_core.bilm.initialization import random_model
 from elmo_core.bilm.scalar_mix import ScalarMix
-from elmo_core.config import tiny
 from elmo_core.errors import InputError
 from elmo_core.fileio import atomic_path, write_text_atomic
 from elmo_core.options import TagConfig, TagOptions, WsdConfig
 from elmo_core.progress import track
-from elmo_core.runtime import ModelRef, Output, Runtime, lookup_model
+from elmo_core.runtime import ModelLookup, ModelRef, Output, Placement, Runtime, lookup_model, place
 from elmo_core.runtime.reference import pin_reference
-from elmo_core.stage import WholeStage
+from elmo_core.stage import Whole, WholePlan, WholeStage
 from elmo_core.text.wordnet import DEFAULT_DIR, INSTALL_HINT, SenseExample, is_wordnet_dir, read_wordnet
 from elmo_core.tracking import MLflowTracker, NullTracker, Tracker, check_reachable
 
@@ -231,13 +229,13 @@ def wsd_scores(examples: list[SenseExample], vectors: dict[str, np.ndarray]) -> 
     }
 
 
-def run_wsd(config: WsdConfig, tracker: Tracker | None = None) -> dict[str, Any]:
+def run_wsd(config: WsdConfig, tracker: Tracker | None = None, runtime: Runtime | None = None) -> dict[str, Any]:
     """``elmo probe wsd``: embed the occurrences, score 1-NN per layer, write results.json and chart.png, log them."""
     if config.tracking == "mlflow" and tracker is None:
         check_reachable(config.tracking_uri)  # in seconds, before any work
     data = Path(config.data) if config.data else DEFAULT_DIR
     examples = read_sense_examples(data)
-    runtime = load_model(config)
+    runtime = runtime or load_model(config)  # the plan's (``ProbeStage``), else opened as the config says
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     sentences = sorted({e.tokens for e in examples})
@@ -359,7 +357,7 @@ def train_probe(
     return best
 
 
-def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]:
+def run_tag(config: TagConfig, tracker: Tracker | None = None, runtime: Runtime | None = None) -> dict[str, Any]:
     """``elmo probe tag``: a linear probe per layer and over a learned mix; results.json, chart.png, MLflow."""
     if config.tracking == "mlflow" and tracker is None:
         check_reachable(config.tracking_uri)  # in seconds, before any work
@@ -368,7 +366,7 @@ def run_tag(config: TagConfig, tracker: Tracker | None = None) -> dict[str, Any]
     tagset = sorted({tag for _, tags in data["train"] for tag in tags})
     unknown = len(tagset)  # tags never seen in training can only be guessed wrong
     tag_id = {tag: i for i, tag in enumerate(tagset)}
-    runtime = load_model(config)
+    runtime = runtime or load_model(config)  # the plan's (``ProbeStage``), else opened as the config says
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     features, labels, speeds = {}, {}, []
@@ -530,52 +528,6 @@ def _finish(
 # ``elmo probe <kind>``: (options model, runner, one-line help, description with an example)
 
 
-# ----- the demo: one look at polysemy -----------------------------------------------------------------------
-
-
-def demo(model: str | None, text: Path, data: Path) -> list[str]:
-    """``elmo demo``: the model asked for, else the main job's (``data/export``), else a random tiny one (said so)."""
-    source = model
-    if model is None and (data / "export" / "options.json").exists():
-        model, source = str(data / "export"), f"{data / 'export'} (the main job's model)"
-    elif model is None:
-        model = str(random_model(tiny(), data / "models" / "random-tiny"))
-        source = f"{model} (random weights: no model given and no main job's model in {data / 'export'})"
-    sentences = [line.split() for line in text.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [f"model        {source}", *polysemy_table(Runtime.open(model), sentences)]
-
-
-def polysemy_table(runtime: Runtime, sentences: list[list[str]]) -> list[str]:
-    """``elmo demo``: embed ``sentences``, then the top layer's cosine between every use of apple / 苹果 as a table
-    (the fruit's uses near each other, the company's apart). Returns the lines to print."""
-    started = time.perf_counter()
-    vectors = runtime.embed(sentences)
-    elapsed = time.perf_counter() - started
-    n_tokens = sum(len(s) for s in sentences)
-    lines = [
-        f"layers       {runtime.num_layers} x {runtime.output_dim}",
-        f"embedded     {len(sentences)} sentences, {n_tokens} tokens in {elapsed:.3f} s "
-        f"({n_tokens / elapsed:,.0f} tokens/s)",
-    ]
-    hits = [
-        (i, t)
-        for i, s in enumerate(sentences)
-        for t, tok in enumerate(s)
-        if tok.lower().startswith("apple") or tok == "苹果"
-    ]
-    if not hits:
-        return lines
-    top = np.stack([vectors[i][-1, t] for i, t in hits])
-    top /= np.linalg.norm(top, axis=1, keepdims=True)
-    similarity = top @ top.T
-    labels = [f"s{i}:{sentences[i][t]}" for i, t in hits]
-    width = max(len(label) for label in labels)
-    lines.append("cosine similarity of the top layer between occurrences of apple / 苹果:")
-    lines.append(" " * width + "  " + " ".join(f"{j:>5d}" for j in range(len(hits))))
-    lines += [f"{label:>{width}}  " + " ".join(f"{v:5.2f}" for v in similarity[j]) for j, label in enumerate(labels)]
-    return lines
-
-
 class ProbeStage(WholeStage):
     """A probe as a stage, one unit: the word-sense probe for a ``WsdConfig``, the tagging probe for a ``TagConfig``."""
 
@@ -586,15 +538,29 @@ class ProbeStage(WholeStage):
         name the version it was planned with, even where ``latest`` moves while it runs."""
         return config.model_copy(update={"model": pin_reference(config.model)})
 
-    def decide(self, config: WsdConfig | TagConfig) -> list[str]:
+    def plan(self, config: WsdConfig | TagConfig) -> ProbePlan:
+        """The model looked up (read only; fetched under the claim) and placed (device, precision and why), once:
+        the probe runs what its plan decided."""
+        config = self.settle(config)
         if config.tracking == "mlflow":
             check_reachable(config.tracking_uri)  # in seconds, before any work
-        model = lookup_model(config.model)  # refused here where there is no model; fetched under the claim
+        model = lookup_model(config.model)  # refused here where there is no model
+        placement = place(config.device, config.precision)  # refused here where it cannot run
         if isinstance(config, WsdConfig):
             what = f"word-sense 1-NN per layer on {config.data or DEFAULT_DIR}"
         else:
             what = f"a tagging probe per layer on {config.train} (dev {config.dev}), column {config.column}"
-        return [model.line(), f"{what}, precision {config.precision}, device {config.device}"]
+        lines = [model.line(), f"{what}, on {placement.line()}"]
+        return ProbePlan(config, [Whole(self.name)], self.writes(config), lines, False, model, placement)
 
-    def work(self, config: WsdConfig | TagConfig) -> dict[str, Any]:
-        return run_wsd(config) if isinstance(config, WsdConfig) else run_tag(config)
+    def run_unit(self, plan: ProbePlan, unit: Whole, report: Callable[[int], None] | None = None) -> dict[str, Any]:
+        config, runtime = plan.options, Runtime.open(plan.model.fetch(), placement=plan.placement)
+        return run_wsd(config, runtime=runtime) if isinstance(config, WsdConfig) else run_tag(config, runtime=runtime)
+
+
+@dataclass
+class ProbePlan(WholePlan):
+    """A probe's plan: its lines, the model it found and where it runs."""
+
+    model: ModelLookup | None = None
+    placement: Placement | None = None
