@@ -51,7 +51,11 @@ import json, sys, time
 from elmo_core.serve.api import Batch, Output
 from elmo_core.serve.compute import BatchEmbedder
 sentences = json.load(open(sys.argv[1]))
-embedder = BatchEmbedder(sys.argv[2])
+try:  # the model resolved once by the server, placed before its port is bound (since #64)
+    from elmo_core.runtime import resolve_model
+    embedder = BatchEmbedder(resolve_model(sys.argv[2]).pinned(), "cpu", "fp32", "asked for fp32", 4096)
+except (ImportError, TypeError, AttributeError):  # a tree before it: the model process resolved it
+    embedder = BatchEmbedder(sys.argv[2])
 embedder.warm_up()
 spec = [Output("layers", encoding="base64")]
 batches = [sentences[i : i + 64] for i in range(0, len(sentences), 64)]
