@@ -23,6 +23,7 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
             "vectors/embed.py",  # the embedding job's plan; the claim fetches what is not here (ModelLookup.fetch)
             "vectors/probe.py",  # the probe's plan line; its model is pinned first (ProbeStage.settle)
             "train/plan.py",  # the fine-tuned model's shape, of the pinned init_from
+            "train/evaluate.py",  # elmo perplexity's plan
         },
         "resolve_model": {  # the files, fetched where they are not here: work, under a claim
             "train/loop.py",  # the pinned init_from's files, in each rank
@@ -40,6 +41,7 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
             "train/loop.py",  # a rank's device before its process group starts
             "train/launch.py",  # whether the launched ranks share the CPU's cores
             "vectors/probe.py",  # the probe's plan
+            "train/evaluate.py",  # elmo perplexity's plan
         },
         "device_count": set(),  # runtime.placement.visible_gpus
         "is_available": {

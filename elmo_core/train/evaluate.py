@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import math
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from elmo_core.defaults import DEFAULT_DEVICE
 from elmo_core.errors import ConfigError, InputError
 from elmo_core.options import PerplexityConfig
 from elmo_core.progress import track
-from elmo_core.stage import WholeStage
+from elmo_core.stage import Whole, WholePlan, WholeStage
 from elmo_core.text.chars import EOS_ID
 from elmo_core.train.objective import LMObjective
 
@@ -172,14 +174,16 @@ def _counted(parts: tuple[tuple[str, int, int], ...], n_vocab: int) -> tuple[np.
     return counts, tokens
 
 
-def perplexity(config: PerplexityConfig) -> dict[str, float]:
+def perplexity(config: PerplexityConfig, runtime: Any = None) -> dict[str, float]:
     """``elmo perplexity``: a model with its softmax and vocab scored on one split of an ingested dataset (its token
-    ids made against the model's own vocab, in a temporary folder)."""
+    ids made against the model's own vocab, in a temporary folder). ``runtime``: the model as the stage's plan
+    found and placed it (``PerplexityStage``), else opened as ``config`` says."""
     from elmo_core.data.vocab import write_token_ids
     from elmo_core.ingest import shard_paths
     from elmo_core.runtime import Runtime
 
-    bilm = Runtime.open(config.model, device=config.device).bilm  # the softmax comes along (the runtime keeps it)
+    runtime = runtime or Runtime.open(config.model, device=config.device)
+    bilm = runtime.bilm  # the softmax comes along (the runtime keeps it)
     if bilm.softmax is None or bilm.vocab is None:
         raise ConfigError(
             f"{config.model}: perplexity needs a model with a softmax (softmax/W in weights.hdf5) and its vocab.txt"
@@ -222,8 +226,24 @@ class PerplexityStage(WholeStage):
 
         return config.model_copy(update={"model": pin_reference(config.model)})
 
-    def decide(self, config: PerplexityConfig) -> list[str]:
-        return [f"score {config.model} on the {config.split} split of {config.corpus} (device {config.device})"]
+    def plan(self, config: PerplexityConfig) -> ScorePlan:
+        """The model looked up (read only; fetched under the claim) and placed, once: the unit scores with that."""
+        from elmo_core.runtime import lookup_model, place
 
-    def work(self, config: PerplexityConfig) -> dict[str, float]:
-        return perplexity(config)
+        config = self.settle(config)
+        model, placement = lookup_model(config.model), place(config.device)
+        lines = [model.line(), f"scored on the {config.split} split of {config.corpus}, on {placement.line()}"]
+        return ScorePlan(config, [Whole(self.name)], [], lines, False, model, placement)
+
+    def run_unit(self, plan: ScorePlan, unit: Whole, report: Any = None) -> dict[str, float]:
+        from elmo_core.runtime import Runtime
+
+        return perplexity(plan.options, Runtime.open(plan.model.fetch(), placement=plan.placement))
+
+
+@dataclass
+class ScorePlan(WholePlan):
+    """``elmo perplexity``'s plan: its lines, the model it found and where it runs."""
+
+    model: Any = None  # a runtime.ModelLookup
+    placement: Any = None  # a runtime.Placement
