@@ -35,6 +35,7 @@ from elmo_core.options import (
     IngestConfig,
     Options,
     PerplexityConfig,
+    PromoteConfig,
     QueryConfig,
     ServeConfig,
     TagConfig,
@@ -157,14 +158,11 @@ def cmd_demo(config: DemoConfig) -> None:
 
 def cmd_info(config: InfoConfig) -> None:
     """This machine (the CPU, what torch dispatches to, the precisions and kernels it offers), then the model."""
-    from elmo_core.runtime import info
+    from elmo_core.runtime import Runtime, info
 
     print("\n".join(info.machine_report()))
     if config.model is None:
-        print(f"kernels of the original shape: {info.original_shape_kernels()}")
-        return
-    from elmo_core.runtime import Runtime
-
+        return print(f"kernels of the original shape: {info.original_shape_kernels()}")
     runtime = Runtime.open(config.model)  # what every command that runs this model prints, resolved the same way
     print(runtime.line())
     print("\n".join(info.model_report(runtime.bilm, config.model)))
@@ -223,6 +221,12 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
         f"{result['perplexity_backward']:.2f}) on {int(result['eval_tokens']):,} {config.split} tokens "
         f"of {config.corpus}"
     )
+
+
+def cmd_promote(config: PromoteConfig) -> None:
+    from elmo_core.train.promote import promote
+
+    print(promote(config.model, config.alias, config.margin, config.force, config.tracking_uri).line())
 
 
 def cmd_export(config: ExportConfig) -> None:
@@ -362,6 +366,13 @@ COMMANDS: dict[str, Command] = {
         positional=(),
         help="full-softmax perplexity of a model on a corpus",
         description="Example: elmo perplexity --model data/train/model --corpus data/ingest",
+    ),
+    "promote": Command(
+        options=PromoteConfig,
+        handler=cmd_promote,
+        positional=("model",),
+        help="make a registered version the champion where its heldout perplexity is better",
+        description="Example: elmo promote models:/elmo/4 --alias champion --margin 0.01",
     ),
     "export": Command(
         options=ExportConfig,

@@ -3,6 +3,13 @@
 The CLI prints any ``ElmoError`` as one line and exits 2; the flows let them fail the task with that line.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
 
 class ElmoError(Exception):
     """Base class: a problem the user can fix, reported in one line."""
@@ -98,3 +105,21 @@ def disk_full(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def validate(cls: type[BaseModel], data: dict[str, Any], source: str = "options"):  # noqa: ANN201
+    """``cls.model_validate(data)`` (an options model) with pydantic's errors turned into one ``ConfigError`` line."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = lambda where: where) -> str:
+    """pydantic's errors in one line, each field called ``name(dotted location)`` (the CLI names its flags)."""
+    parts = []
+    for error in exc.errors():
+        where = name(".".join(str(p) for p in error["loc"])) or "value"
+        got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
+        parts.append(f"{where}: {error['msg']}{got}")
+    return "; ".join(parts)

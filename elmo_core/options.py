@@ -14,14 +14,13 @@ flags merge as: field defaults < config file < flags. Flows take the option mode
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from elmo_core.config import ModelConfig, PresetName, preset
 from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION, DEFAULT_TRAINING_PRECISION
-from elmo_core.errors import ConfigError
+from elmo_core.errors import ConfigError, describe_validation_error, validate  # noqa: F401  (theirs, here too)
 from elmo_core.text.tokenize import TokenizerName
 
 log = logging.getLogger(__name__)
@@ -84,24 +83,6 @@ def tagged(model: type[BaseModel], tag: str) -> frozenset[str]:
         for name, field in model.model_fields.items()
         if isinstance(field.json_schema_extra, dict) and tag in field.json_schema_extra.get("tags", [])  # type: ignore[operator]
     )
-
-
-def validate(cls: type[Options], data: dict[str, Any], source: str = "options"):  # noqa: ANN201
-    """``cls.model_validate(data)`` with pydantic's errors turned into one ``ConfigError`` line."""
-    try:
-        return cls.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{source}: {describe_validation_error(exc)}") from None
-
-
-def describe_validation_error(exc: ValidationError, name: Callable[[str], str] = lambda where: where) -> str:
-    """pydantic's errors in one line, each field called ``name(dotted location)`` (the CLI names its flags)."""
-    parts = []
-    for error in exc.errors():
-        where = name(".".join(str(p) for p in error["loc"])) or "value"
-        got = f" (got {error['input']!r})" if error["type"] not in ("missing", "extra_forbidden") else ""
-        parts.append(f"{where}: {error['msg']}{got}")
-    return "; ".join(parts)
 
 
 def _deprecated_bf16(data: Any, when_true: str, stage: str) -> Any:
@@ -420,6 +401,16 @@ class EmbedConfig(EmbedOptions):
 
 
 # ----- the smaller commands ------------------------------------------------------------------------------
+
+
+class PromoteConfig(Options):
+    """``elmo promote``: a registered version made the alias's, by evidence (``train.promote``)."""
+
+    model: str = Field(description="the version: models:/NAME/N, or models:/NAME/latest (pinned first)")
+    alias: str = Field("champion", description="the alias it becomes, where better than the version it names now")
+    margin: float = Field(0.0, ge=0.0, lt=1.0, description="how much lower its heldout perplexity must be (0.02: 2%)")
+    force: bool = Field(False, description="move the alias without a comparison (the version's tags say so)")
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
 
 
 class PerplexityConfig(Options):

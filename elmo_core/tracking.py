@@ -9,10 +9,13 @@ resolve to options.json + weights.hdf5 + vocab.txt via ``resolve_model_dir``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,6 +66,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
+    def log_dataset(self, dataset: DatasetFacts, context: str) -> None: ...
     def close(self, status: str = "FINISHED") -> None: ...
 
 
@@ -82,6 +86,9 @@ class NullTracker:
 
     def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None:
         return None
+
+    def log_dataset(self, dataset: DatasetFacts, context: str) -> None:
+        pass
 
     def close(self, status: str = "FINISHED") -> None:
         pass
@@ -279,6 +286,11 @@ class MLflowTracker:
             return uri
         return info.model_uri
 
+    def log_dataset(self, dataset: DatasetFacts, context: str) -> None:
+        """The run's input ``dataset`` (its source folder, digest, columns, sentences and tokens), in MLflow's
+        dataset panel under ``context`` ("train", "heldout")."""
+        self._tolerant(f"the dataset {dataset.name}", lambda: self._mlflow.log_input(_meta_dataset(dataset), context))
+
     def close(self, status: str = "FINISHED") -> None:
         """Flush the queued metrics, end the run, and warn once of everything that could not be logged."""
         lost = self._metrics.close()
@@ -394,3 +406,79 @@ def download_model(uri: str, dst: Path) -> Path:
     for options in sorted((local / "artifacts").rglob("options.json")):  # a logged pyfunc model
         return options.parent
     raise TrackingError(f"{uri}: no options.json in the downloaded artifacts at {local}; it is not an ELMo model")
+
+
+# ----- datasets and the registry's aliases: what a promotion reads and writes -------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """A dataset as a run logs it: a name, the folder it is in, its digest, its columns and its size."""
+
+    name: str
+    source: str
+    digest: str
+    sentences: int
+    tokens: int
+    columns: tuple[tuple[str, str], ...] = ()
+
+
+def _meta_dataset(facts: DatasetFacts) -> Any:
+    """MLflow's dataset of ``facts``: a MetaDataset (the data stays where it is) with a profile of its size."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    class Profiled(MetaDataset):
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps({"sentences": facts.sentences, "tokens": facts.tokens})}
+
+    def spec(name: str, kind: str) -> Any:  # "string", "list<string>", "list<int32>"
+        inner = kind.removeprefix("list<").removesuffix(">")
+        inner = {"int32": "integer", "int64": "long"}.get(inner, inner)
+        return ColSpec(Array(inner) if kind.startswith("list<") else inner, name)
+
+    with warnings.catch_warnings():  # a local folder reads as two kinds of local source alike
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(facts.source)
+    schema = Schema([spec(name, kind) for name, kind in facts.columns]) if facts.columns else None
+    return Profiled(source, name=facts.name, digest=facts.digest, schema=schema)
+
+
+def run_datasets(run_id: str) -> dict[str, dict[str, Any]]:
+    """The datasets a run logged, by context: name, digest, source (the folder) and profile."""
+    mlflow = _mlflow()
+    run = mlflow.MlflowClient().get_run(run_id)
+    found = {}
+    for item in run.inputs.dataset_inputs:
+        context = next((t.value for t in item.tags if t.key == "mlflow.data.context"), "")
+        source = json.loads(item.dataset.source or "{}").get("uri", "")
+        profile = json.loads(item.dataset.profile) if item.dataset.profile else {}
+        found[context] = {"name": item.dataset.name, "digest": item.dataset.digest, "source": source, **profile}
+    return found
+
+
+def use_store(uri: str) -> None:
+    """Make ``uri`` this process's MLflow store, for the registry reads and writes below (as MLFLOW_TRACKING_URI)."""
+    os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(uri)
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    """The version ``models:/NAME@ALIAS`` names now, or None where the alias is not set."""
+    mlflow = _mlflow()
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str, tags: dict[str, str]) -> None:
+    """Tag version ``version`` of ``name`` (the evidence of a decision), then point ``alias`` at it where asked
+    (``alias`` empty: tags only)."""
+    client = _mlflow().MlflowClient()
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+    if alias:
+        client.set_registered_model_alias(name, alias, version)

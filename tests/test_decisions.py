@@ -29,8 +29,8 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
             "train/loop.py",  # the pinned init_from's files, in each rank
             "serve/run.py",  # the server's HTTP process, once at start and once per reload (serve/versions.py)
         },
-        "pin_reference": {"vectors/probe.py", "train/launch.py", "train/evaluate.py"},  # a stage's settle()
-        "registered_version": set(),  # tracking.py's: the registry asked, by runtime.reference alone
+        "pin_reference": {"vectors/probe.py", "train/launch.py", "train/evaluate.py", "train/promote.py"},  # settle()
+        "registered_version": {"train/promote.py"},  # tracking.py's: the runtime's lookup; a promotion reads runs
         "download_model": set(),
     },
     "device": {

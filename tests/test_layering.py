@@ -51,9 +51,11 @@ ROOMS = {
         *("cuda_graphs", "layer_steps", "choice", "__init__"),
     ],
     "train": [
-        *("checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "plan", "run", "loop"),
+        *("lineage", "checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "plan", "run"),
+        "loop",
         "launch",
         "mlflow_model",
+        "promote",
         "__init__",
     ],
     "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],

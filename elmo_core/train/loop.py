@@ -68,6 +68,8 @@ from elmo_core.train.checkpoint import (
 from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
 from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows
 from elmo_core.train.export import latest_checkpoint
+from elmo_core.train.lineage import facts as dataset_facts
+from elmo_core.train.lineage import split_dataset
 from elmo_core.train.objective import LMObjective
 from elmo_core.train.plan import TrainingPlan, plan_training
 from elmo_core.train.recipe import describe_softmax, settle_softmax, sparse_softmax, table_measured
@@ -298,6 +300,9 @@ def _start_tracking(
             },
         }
     )
+    for split in ("train", "heldout"):  # the data that makes the model, in MLflow's dataset panel (lineage.py)
+        if (dataset := split_dataset(run.data, split)) is not None:
+            run.tracker.log_dataset(dataset_facts(dataset), split)
     write_text_atomic(out / "config.json", config.model_dump_json(indent=2) + "\n")
 
 
