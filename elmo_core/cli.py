@@ -209,6 +209,7 @@ def cmd_train(config: TrainConfig) -> None:
         f"train: {result.steps} steps, final loss {result.final_loss:.3f}, {describe_perplexity(result.perplexity)} "
         f"-> {result.model_dir}" + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else "")
     )
+    print(result.promotion["line"]) if result.promotion else None
 
 
 def cmd_perplexity(config: PerplexityConfig) -> None:

@@ -287,6 +287,10 @@ class TrainOptions(Options):
     tracking: Literal["mlflow", "none"] = Field("mlflow", description="track the run in MLflow, or not at all")
     mlflow_experiment: str = Field("elmo", description="MLflow experiment name")
     register_as: str | None = Field("elmo", description="MLflow registered-model name; null: log the model only")
+    promote_to: str | None = Field(
+        "champion", description="the alias the registered version becomes where its heldout perplexity is better"
+    )
+    promote_margin: float = Field(0.0, ge=0.0, lt=1.0, description="how much better (0.02: 2% lower) it must be")
 
     @model_validator(mode="before")
     @classmethod

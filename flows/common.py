@@ -22,7 +22,8 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # e
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from prefect import get_run_logger, task, unmapped  # noqa: E402  (after the environment defaults)
-from prefect.artifacts import create_progress_artifact, update_progress_artifact  # noqa: E402
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact  # noqa: E402
+from prefect.events import emit_event  # noqa: E402
 from prefect.futures import as_completed  # noqa: E402
 
 from elmo_core.errors import DiskFullError, ElmoError, disk_full  # noqa: E402
@@ -205,3 +206,24 @@ def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> str | None:
         mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.get_run(run_id).info.experiment_id
     return f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_id}"
+
+
+PROMOTED_EVENT = "elmo.model.promoted"  # what a promotion emits; prefect.yaml's embed trigger listens for it
+
+
+def announce_promotion(promotion: dict[str, Any] | None, tracking_uri: str | None) -> None:
+    """A training's promotion in the Prefect UI (an artifact with the decision and its evidence) and, where the
+    version became the alias's, the event ``elmo.model.promoted`` (resource ``elmo.model.NAME``; payload: the
+    version's URI, the alias, the evidence), which deployments' triggers can follow."""
+    if not promotion:
+        return
+    rows = [{"field": key, "value": str(value)} for key, value in promotion.items() if key != "line"]
+    create_table_artifact(key="promotion", table=rows, description=promotion["line"])
+    if not promotion.get("promoted") or promotion.get("why", "").startswith(f"@{promotion.get('alias')} names it"):
+        return
+    name = promotion["model"].removeprefix("models:/").split("/")[0]
+    emit_event(
+        event=PROMOTED_EVENT,
+        resource={"prefect.resource.id": f"elmo.model.{name}", "prefect.resource.name": name},
+        payload={**{k: v for k, v in promotion.items() if k != "line"}, "tracking_uri": tracking_uri or ""},
+    )

@@ -41,7 +41,7 @@ from elmo_core.tracking import MLflowTracker, resolve_tracking_uri
 from elmo_core.train.evaluate import describe_perplexity, evaluate_export
 from elmo_core.train.export import ExportStage
 from elmo_core.train.launch import TrainStage
-from flows.common import PROJECT_ROOT, RETRIED, mlflow_run_link, run_main, stage
+from flows.common import PROJECT_ROOT, RETRIED, announce_promotion, mlflow_run_link, run_main, stage
 from flows.embed import embed_flow
 from flows.summary import print_summary
 
@@ -151,6 +151,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
         # resume=True: an interrupted run with these inputs continues; nproc_per_node > 1: torchrun, rank 0's lines
         result = run_local(TrainStage(on_line=get_run_logger().info), config)
         assert result is not None  # the pipeline runs on node 0 (checked in _stage_configs)
+        announce_promotion(result.promotion, config.tracking_uri)  # once, as it is decided: a skipped rerun is silent
         return {
             "steps": result.steps,
             "exported_step": result.exported_step,  # export: best (the main job's) may pick an earlier one
@@ -159,6 +160,7 @@ def train_stage(config: TrainConfig, out: str, fingerprint: str) -> dict[str, An
             "model_dir": str(result.model_dir),
             "run_id": result.run_id,
             "model_uri": result.model_uri,
+            "promotion": result.promotion,
         }
 
     result = run_once(Path(out), fingerprint, work, fresh_start=True)  # another configuration starts afresh

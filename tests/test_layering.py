@@ -53,9 +53,9 @@ ROOMS = {
     "train": [
         *("lineage", "checkpoint", "budget", "objective", "evaluate", "export", "ddp", "recipe", "plan", "run"),
         "loop",
+        "promote",
         "launch",
         "mlflow_model",
-        "promote",
         "__init__",
     ],
     "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],

@@ -185,6 +185,14 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         assert {"export", "checkpoint", "config.json"} <= {a.path for a in client.list_artifacts(mlrun.info.run_id)}
         assert [int(v.version) for v in client.search_model_versions("name = 'elmo'")] == [1]
         _check_mlflow_ui(env, mlrun.info.run_id, tmp_path)
+        # lineage and promotion: the run's datasets, the first version @champion, and the event Prefect received
+        contexts = {t.value for d in mlrun.inputs.dataset_inputs for t in d.tags if t.key == "mlflow.data.context"}
+        assert contexts == {"train", "heldout"}
+        assert str(client.get_model_version_by_alias("elmo", "champion").version) == "1"
+        events = _api(env, "/events/filter", {"filter": {"event": {"name": ["elmo.model.promoted"]}}, "limit": 5})
+        (promoted,) = events["events"]  # type: ignore[call-overload]
+        assert promoted["resource"]["prefect.resource.id"] == "elmo.model.elmo"
+        assert promoted["payload"]["model"] == "models:/elmo/1" and promoted["payload"]["alias"] == "champion"
 
         run = _prefect(
             env,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from elmo_core.stage import Whole, WholePlan, WholeStage
 from elmo_core.tracking import check_reachable
 from elmo_core.train.loop import train
 from elmo_core.train.plan import TrainingPlan, plan_training
+from elmo_core.train.promote import promote
 from elmo_core.train.run import TrainResult
 
 log = logging.getLogger(__name__)
@@ -347,7 +349,20 @@ class TrainStage(WholeStage):
         return contextlib.nullcontext() if this_process().launched else super().claim(plan)
 
     def run_unit(self, plan: TrainPlan, unit: Whole, report: Callable[[int], None] | None = None) -> Any:
-        return launch(plan.options, self.on_line, plan.training)
+        result = launch(plan.options, self.on_line, plan.training)
+        config = plan.options
+        if result is not None and config.promote_to and (result.model_uri or "").startswith("models:/"):
+            # the registered version against @promote_to, on the same heldout data (train.promote)
+            try:
+                decision = promote(
+                    result.model_uri, config.promote_to, config.promote_margin, False, config.tracking_uri
+                )
+                result.promotion = {**dataclasses.asdict(decision), "line": decision.line()}
+            except (ElmoError, OSError) as exc:  # the model is trained and registered; `elmo promote` decides later
+                line = f"{result.model_uri}: not promoted, the comparison failed: {str(exc).splitlines()[0]}"
+                result.promotion = {"model": result.model_uri, "promoted": False, "line": line}
+            self.on_line(result.promotion["line"])
+        return result
 
 
 @dataclass

@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,9 @@ class TrainResult:
     model_uri: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     exported_step: int = 0  # the step whose weights were exported (``export: best`` may pick an earlier one)
+    promotion: dict[str, Any] | None = (
+        None  # what the promotion decided and its evidence (``train.promote``), and its line
+    )
 
 
 @dataclass
