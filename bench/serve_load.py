@@ -294,10 +294,14 @@ def worker_alone(model_dir: Path, sentences: list[list[str]], size: int, precisi
     a server can give when C clients make batches of about C/2."""
     import random
 
+    from elmo_core.runtime import place, resolve_model
     from elmo_core.serve.api import Batch, Output
     from elmo_core.serve.compute import BatchEmbedder
 
-    embedder = BatchEmbedder(str(model_dir), precision=precision)
+    placed = place("cpu", precision)  # as `elmo serve` places it before it binds, once
+    embedder = BatchEmbedder(
+        resolve_model(str(model_dir)).pinned(), placed.device, placed.precision, placed.precision.why, 4096
+    )
     rng = random.Random(0)
     batches = [rng.sample(sentences, size) for _ in range(rounds)]
     for batch in batches:

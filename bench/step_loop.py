@@ -31,6 +31,7 @@ from embed_throughput import describe_machine, make_sentences, real_sentences  #
 from elmo_core import BiLM  # noqa: E402
 from elmo_core.bilm.initialization import init_bilm_tf  # noqa: E402
 from elmo_core.config import preset  # noqa: E402
+from elmo_core.runtime import resolve_model  # noqa: E402
 from elmo_core.serve.api import Batch, Output  # noqa: E402
 from elmo_core.serve.compute import BatchEmbedder  # noqa: E402
 
@@ -83,8 +84,9 @@ def main() -> None:
             tokens = sum(len(s) for s in sentences)
             seconds = alternate({k: (lambda m=m, s=sentences: m.embed_sentences(s)) for k, m in models.items()}, 3)
             print(row(name, "tok/s", *(tokens / seconds[k] for k in models)))
-        embedders = {k: BatchEmbedder(str(model_dir)) for k in models}
-        embedders["python"].bilm.prepare("fp32", step_loop=False)
+        pinned = resolve_model(str(model_dir)).pinned()  # as a server resolves it, once
+        embedders = {k: BatchEmbedder(pinned, "cpu", "fp32", "asked for fp32", 4096) for k in models}
+        embedders["python"].runtime.bilm.prepare("fp32", step_loop=False)
         for size in (8, 32):
             rng = random.Random(0)
             batches = [rng.sample(real, size) for _ in range(40)]

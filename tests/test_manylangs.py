@@ -264,7 +264,10 @@ def test_every_command_gives_their_numbers(tmp_path, release, expected):
             want = expected[i] if layers == "all" else expected[i].mean(0, keepdims=True)
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"embed --layers {layers}")
 
-    served = BatchEmbedder(str(release)).run(Batch(1, SENTENCES, [0] * 5, [Output("layers", encoding="base64")]))
+    from elmo_core.runtime import resolve_model
+
+    served_by = BatchEmbedder(resolve_model(str(release)).pinned(), "cpu", "fp32", "asked for fp32", 4096)
+    served = served_by.run(Batch(1, SENTENCES, [0] * 5, [Output("layers", encoding="base64")]))
     for i, want in enumerate(expected):
         got = np.frombuffer(base64.b64decode(served.embeddings[i][1:-1]), dtype="<f4").reshape(served.shapes[i])
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg="serve")
