@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,6 +68,7 @@ class Tracker(Protocol):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_model_dir(self, model_dir: str | Path, registered_name: str | None) -> str | None: ...
     def log_dataset(self, dataset: DatasetFacts, context: str) -> None: ...
+    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None: ...
     def close(self, status: str = "FINISHED") -> None: ...
 
 
@@ -88,6 +90,9 @@ class NullTracker:
         return None
 
     def log_dataset(self, dataset: DatasetFacts, context: str) -> None:
+        pass
+
+    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
         pass
 
     def close(self, status: str = "FINISHED") -> None:
@@ -233,6 +238,8 @@ class MLflowTracker:
         self.run_id = run.info.run_id
         self.experiment_id = run.info.experiment_id
         self._metrics = _MetricQueue(mlflow.tracking.MlflowClient(uri), self.run_id)
+        self._beside = ThreadPoolExecutor(1, thread_name_prefix="mlflow-checkpoints")  # off the training's clock
+        self._pending: list[Future[Any]] = []
 
     def log_params(self, params: dict[str, Any]) -> None:
         flat: dict[str, Any] = {}
@@ -286,6 +293,24 @@ class MLflowTracker:
             return uri
         return info.model_uri
 
+    def log_checkpoint(self, path: Path, step: int, metrics: dict[str, float]) -> None:
+        """A checkpoint as one of MLflow 3's LoggedModels of this run (``checkpoint-STEP``, type
+        ``elmo-checkpoint``): an external model, its file left where it is (the tag ``elmo.checkpoint`` says where;
+        logging each checkpoint's weights as artifacts would copy the run's largest files into the store), with its
+        step and the loss and last heldout metrics at it."""
+
+        def log() -> None:
+            tags = {"elmo.checkpoint": str(path), "elmo.step": str(step)}
+            model = self._mlflow.create_external_model(
+                name=f"checkpoint-{step}", source_run_id=self.run_id, tags=tags, model_type="elmo-checkpoint"
+            )
+            for key, value in metrics.items():
+                if value == value:  # NaN (no loss yet) is no metric
+                    self._mlflow.log_metric(key, value, step=step, run_id=self.run_id, model_id=model.model_id)
+
+        # in a thread beside the training, as metrics are sent: a store that is away must not hold up a step
+        self._pending.append(self._beside.submit(self._tolerant, f"the checkpoint {path}", log))
+
     def log_dataset(self, dataset: DatasetFacts, context: str) -> None:
         """The run's input ``dataset`` (its source folder, digest, columns, sentences and tokens), in MLflow's
         dataset panel under ``context`` ("train", "heldout")."""
@@ -293,6 +318,10 @@ class MLflowTracker:
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush the queued metrics, end the run, and warn once of everything that could not be logged."""
+        done, late = wait(self._pending, timeout=15.0)
+        self._beside.shutdown(wait=False, cancel_futures=True)
+        if late:
+            self.failed.append(f"{len(late)} checkpoints as models (the store did not answer in time)")
         lost = self._metrics.close()
         if lost:
             self.failed.append(f"{lost} metric points (last error: {self._metrics.last_error})")

@@ -32,7 +32,7 @@ def data(tmp_path_factory, bilm_tf_dir) -> Path:
 
 def _train(data: Path, out: Path, store: str, steps: int, seed: int = 0) -> str:
     options = {**FIXTURE_OPTIONS, "tracking": "mlflow", "tracking_uri": store, "register_as": "promoted"}
-    config = TrainConfig(data=str(data), out=str(out), max_steps=steps, seed=seed, **options)
+    config = TrainConfig(data=str(data), out=str(out), max_steps=steps, seed=seed, checkpoint_every=10, **options)
     return train(config).model_uri  # type: ignore[return-value]
 
 
@@ -51,6 +51,16 @@ def test_a_better_version_becomes_the_champion_a_worse_one_does_not(tmp_path, da
     assert str(client.get_model_version_by_alias("promoted", "champion").version) == "1"
 
     better = _train(data, tmp_path / "better", store, 30)
+    # its checkpoints are MLflow 3 LoggedModels of its run, each with its step and heldout perplexity at it
+    better_run = client.get_model_version("promoted", "2").run_id
+    checkpoints = {
+        m.name: {x.key: x.value for x in m.metrics or []}
+        for m in mlflow.search_logged_models(output_format="list", filter_string="name LIKE 'checkpoint-%'")
+        if m.source_run_id == better_run
+    }
+    assert {"checkpoint-10", "checkpoint-20"} <= set(checkpoints) and "heldout_perplexity" in checkpoints[
+        "checkpoint-20"
+    ]
     decision = promote(better)
     assert decision.promoted, decision.line()
     assert decision.perplexity < decision.champion_perplexity and decision.champion == "models:/promoted/1"

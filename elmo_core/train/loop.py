@@ -388,6 +388,7 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
         unigram_counts=run.unigram_counts,
     )
     run.tracker.log_metrics({f"heldout_{k}": v for k, v in result.items()}, run.step)
+    run.heldout = result
     log.info("step %d %s", run.step, describe_perplexity(result))
     return result
 

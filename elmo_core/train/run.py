@@ -80,6 +80,7 @@ class Run:
     loss: float = float("nan")
     skipped: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    heldout: dict[str, float] = field(default_factory=dict)  # the last heldout evaluation (its checkpoint's evidence)
     node_metrics: NodeSystemMetrics | None = None  # another machine's system metrics (its local rank 0)
     best: BestWeights | None = None  # ``export: best`` (rank 0): the best weights so far
     budget: Budget = field(default_factory=Budget)  # the time it may spend, resumes included
@@ -130,6 +131,8 @@ def save(run: Run) -> Path | None:
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
+    metrics = {"loss": run.loss, **{f"heldout_{k}": v for k, v in run.heldout.items()}}
+    run.tracker.log_checkpoint(path, run.step, metrics)  # a LoggedModel of the run, in MLflow's Models tab
     return path
 
 
