@@ -58,7 +58,7 @@ def test_a_better_version_becomes_the_champion_a_worse_one_does_not(tmp_path, da
         for m in mlflow.search_logged_models(output_format="list", filter_string="name LIKE 'checkpoint-%'")
         if m.source_run_id == better_run
     }
-    assert {"checkpoint-10", "checkpoint-20"} <= set(checkpoints) and "heldout_perplexity" in checkpoints[
+    assert {"checkpoint-10", "checkpoint-20"} <= set(checkpoints) and "checkpoint_heldout_perplexity" in checkpoints[
         "checkpoint-20"
     ]
     decision = promote(better)

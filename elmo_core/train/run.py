@@ -131,7 +131,8 @@ def save(run: Run) -> Path | None:
     )
     path = write_checkpoint(run.out, run.step, checkpoint.payload(), run.config.keep_checkpoints)
     log.info("checkpoint %s", path)
-    metrics = {"loss": run.loss, **{f"heldout_{k}": v for k, v in run.heldout.items()}}
+    # named apart from the run's own series (its loss every log_every steps), to which MLflow adds them too
+    metrics = {"checkpoint_loss": run.loss, **{f"checkpoint_heldout_{k}": v for k, v in run.heldout.items()}}
     run.tracker.log_checkpoint(path, run.step, metrics)  # a LoggedModel of the run, in MLflow's Models tab
     return path
 
