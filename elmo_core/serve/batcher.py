@@ -77,12 +77,7 @@ class Pending:
 
 
 class Batcher(WorkerEvents):
-    def __init__(
-        self,
-        limits: Limits,
-        metrics: ServerMetrics,
-        on_fatal: Callable[[str], None],
-    ) -> None:
+    def __init__(self, limits: Limits, metrics: ServerMetrics, on_fatal: Callable[[str], None]) -> None:
         self.limits, self.metrics, self.on_fatal = limits, metrics, on_fatal
         self.versions: Versions | None = None  # the model versions' pools, once the model is resolved
         self.waiting: deque[Pending] = deque()
