@@ -254,7 +254,7 @@ class Server:
         return {
             "model": self.model_name,
             "source": config.model,
-            "identity": {**serving.identity(), "digest": serving.digest} if serving is not None else None,
+            "identity": serving.identity() if serving is not None else None,  # model_id: the hash it was pinned with
             "generation": self.pool.generation if self.pool is not None else 0,
             "reloading": self.versions.reloading if self.versions is not None else None,
             "last_reload": self.versions.last_reload if self.versions is not None else None,
@@ -365,7 +365,7 @@ def model_headers(answer: Admitted) -> dict[str, str]:
     """Which model computed this answer, exactly: its version (``models:/elmo/3``, or the folder's name) and content
     hash. During a reload two versions answer, each request from one; the headers say which."""
     model = answer.pool.model  # type: ignore[union-attr]
-    return {MODEL_HEADER: model.name, MODEL_ID_HEADER: model.digest or model.model_id}
+    return {MODEL_HEADER: model.name, MODEL_ID_HEADER: model.identity()["model_id"]}
 
 
 @guarded.get("/v1/models")

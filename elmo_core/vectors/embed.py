@@ -113,6 +113,12 @@ class Job:
             rows, lstm.n_layers + 1, 2 * lstm.projection_dim, config.dtype, config.layers, config.pool, len(todo)
         )
 
+    def require_room(self) -> None:
+        """Refused in one line where the units still to write do not fit (where the model's width is known)."""
+        if (size := self.bytes_to_write()) is not None:
+            advice = "free some space, or ask for less (--layers mix, --dtype float16)"
+            require_space(self.out, size, "the table", advice)
+
     def lines(self) -> list[str]:
         done = sum((self.target / u.name).exists() for u in self.units)
         size = self.bytes_to_write()
@@ -214,10 +220,7 @@ def _ready(job: Job) -> None:
         job.model = job.model.fetch()
         job.model_id = job.identity["model_id"] = job.model.model_id
         job.identity["model_identity"] = job.model.identity()
-        size = job.bytes_to_write()
-        require_space(
-            job.out, size or 0, "the table", "free some space, or ask for less (--layers mix, --dtype float16)"
-        )
+        job.require_room()
     if _target(job.out, job.work, job.identity, job.config.overwrite) != job.target:
         raise OutputError(f"{job.out}: changed by another job since this one was planned; run it again")
     if job.replaces and _read_job(job.target) != job.identity:  # not an interrupted replacement by this very job
@@ -273,8 +276,7 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
     processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []
     beside = writes_beside(placement)
     job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
-    if (size := job.bytes_to_write()) is not None:  # else checked once the model is fetched (``_ready``)
-        require_space(out, size, "the table", "free some space, or ask for less (--layers mix, --dtype float16)")
+    job.require_room()  # where the model is here; else once it is fetched (``_ready``)
     if model.ref is not None:
         job.model = model.ref
     return job
