@@ -8,7 +8,10 @@ page-faults and zeroes every page again. The ManyLangs batch job in int8 spent 7
 that way, and runs 1.13-1.17x as fast without (``bench/manylangs.py --heap-baseline``, ``docs/benchmarks.md``).
 
 ``keep_large_buffers`` raises both thresholds (mmap and trim) to ``THRESHOLD``: such buffers then come from the
-heap, and a freed one is reused in place by the next of its size. In a process that uses Arrow (it was imported: the
+heap, and the memory a pass freed serves the next. Not always the very next buffer of the same size: torch asks for
+aligned memory, and glibc (2.36) then needs a little more than that size, which the hole a freed buffer left does
+not hold when something small was placed right after it. So the first pass or two grow the heap to the working set;
+the passes after fault nothing in (``tests/test_heap.py`` counts it). In a process that uses Arrow (it was imported: the
 embedding stage writes its tables with it), Arrow's buffers move to the same heap too (its default pool, mimalloc,
 gives freed pages back to the kernel as well; ``--heap-baseline`` turns both off). The cost is that memory a process
 freed stays with it, up to its peak (an embedding job's or a server's working set, which it needs again on the next
