@@ -9,22 +9,16 @@ Every field of the model (``elmo_core.options``) is a flag with the field's desc
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import traceback
-import types
-import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ValidationError
-from pydantic_core import PydanticUndefined
-
-from elmo_core.config import load_config_file
 from elmo_core.errors import ConfigError, ElmoError
 from elmo_core.fileio import as_disk_full, output_of
+from elmo_core.flags import add_fields, parse_config
 from elmo_core.options import (
     AllennlpElmoConfig,
     DemoConfig,
@@ -37,114 +31,17 @@ from elmo_core.options import (
     PerplexityConfig,
     PromoteConfig,
     QueryConfig,
+    RefreshConfig,
     ServeConfig,
     TagConfig,
     TrainConfig,
     VocabConfig,
     WsdConfig,
-    describe_validation_error,
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROBES = PROJECT_ROOT / "data" / "probes" / "apple.txt"
 log = logging.getLogger("elmo")
-
-
-# ----- flags from fields ------------------------------------------------------------------------------
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
-    """(X, True) for ``X | None``; (annotation, False) otherwise."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return annotation, False
-
-
-_METAVARS = {int: "N", float: "X", str: "TEXT"}
-
-
-def _scalar(kind: Any, nullable: bool) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        if nullable and text.lower() in ("none", "null"):
-            return None
-        return kind(text)
-
-    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its errors
-    return parse
-
-
-def _structured(text: str) -> Any:
-    """A nested model's value: inline JSON, or a YAML/JSON file."""
-    return json.loads(text) if text.lstrip().startswith("{") else load_config_file(text)
-
-
-_structured.__name__ = "JSON or file"
-
-
-def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], positional: tuple[str, ...] = ()) -> None:
-    """One argument per field of ``model``; values not given stay out of the namespace (the model's defaults hold)."""
-    for name, field in model.model_fields.items():
-        kind, nullable = _unwrap_optional(field.annotation)
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = str  # e.g. int | "auto": the text as given, validated by the model
-        default = field.default if field.default is not PydanticUndefined else None
-        help_text = field.description or ""
-        if field.is_required():
-            help_text += " (required)"
-        elif default is not None and kind is not bool:
-            help_text += f" (default: {default})"
-        options: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS}
-        origin = typing.get_origin(kind)
-        if kind is bool:
-            options["action"] = argparse.BooleanOptionalAction
-            options["help"] = help_text + (f" (default: {'on' if default else 'off'})" if default is not None else "")
-        elif origin is Literal:
-            options["choices"] = [str(v) for v in typing.get_args(kind)]
-        elif origin is list:
-            (item,) = typing.get_args(kind)
-            if typing.get_origin(item) in (typing.Union, types.UnionType) and str in typing.get_args(item):
-                item = str  # e.g. sources: str | Source; on the command line, strings
-            options.update(nargs="+", type=_scalar(item, False), metavar=_METAVARS.get(item, "VALUE"))
-        elif isinstance(kind, type) and issubclass(kind, BaseModel):
-            options.update(type=_structured, metavar="JSON|FILE")
-        else:
-            options.update(type=_scalar(kind, nullable), metavar=_METAVARS.get(kind, "VALUE"))
-        if name in positional:
-            if field.is_required():
-                options.pop("default")
-            else:  # an optional positional (``elmo info [MODEL]``): absent, the model's default holds
-                options["nargs"] = "?"
-            parser.add_argument(name, **options)
-        else:
-            flags = [_flag(name), "-" + name] if len(name) == 1 else [_flag(name)]  # -k as well as --k
-            parser.add_argument(*flags, dest=name, **options)
-
-
-def parse_config(model: type[Options], args: argparse.Namespace) -> Options:
-    """The command's options: field defaults < ``--config`` file < flags, validated in one go. An error names
-    the flag it came from, or the config file and the key as written there (``bad.json: batch_size: …``)."""
-    config_file = getattr(args, "config", None)
-    from_file: dict[str, Any] = load_config_file(config_file) if config_file else {}
-    from_flags = {name: value for name, value in vars(args).items() if name in model.model_fields}
-
-    def name(where: str) -> str:
-        top = where.split(".")[0]
-        if top in from_flags:
-            return _flag(top) + where[len(top) :]
-        if top in from_file:
-            return f"{config_file}: {where}"
-        return _flag(where) if where in model.model_fields else (where or "options")
-
-    try:
-        return model.model_validate({**from_file, **from_flags})
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, name)) from None
 
 
 # ----- the commands ---------------------------------------------------------------------------------------
@@ -198,7 +95,9 @@ def cmd_vocab(config: VocabConfig) -> None:
 
 
 def cmd_train(config: TrainConfig) -> None:
+    from elmo_core.events import announce_promotion
     from elmo_core.stage import run_local
+    from elmo_core.tracking import resolve_tracking_uri
     from elmo_core.train.evaluate import describe_perplexity
     from elmo_core.train.launch import TrainStage
 
@@ -210,6 +109,7 @@ def cmd_train(config: TrainConfig) -> None:
         f"-> {result.model_dir}" + (f"; MLflow run {result.run_id}, model {result.model_uri}" if result.run_id else "")
     )
     print(result.promotion["line"]) if result.promotion else None
+    announce_promotion(result.promotion, resolve_tracking_uri(config.tracking_uri))  # for a deployment to follow
 
 
 def cmd_perplexity(config: PerplexityConfig) -> None:
@@ -225,9 +125,13 @@ def cmd_perplexity(config: PerplexityConfig) -> None:
 
 
 def cmd_promote(config: PromoteConfig) -> None:
+    from elmo_core.events import announce_promotion
+    from elmo_core.tracking import resolve_tracking_uri
     from elmo_core.train.promote import promote
 
-    print(promote(config.model, config.alias, config.margin, config.force, config.tracking_uri).line())
+    decision = promote(config.model, config.alias, config.margin, config.force, config.tracking_uri)
+    print(decision.line())
+    announce_promotion(decision.record(), resolve_tracking_uri(config.tracking_uri))
 
 
 def cmd_export(config: ExportConfig) -> None:
@@ -244,6 +148,12 @@ def cmd_embed(config: EmbedConfig) -> None:
     print(summary.line())
     if summary.index is not None:
         print(summary.index.line())
+
+
+def cmd_refresh(config: RefreshConfig) -> None:
+    from elmo_core.vectors.tables import refresh
+
+    print(refresh(config).line())
 
 
 def cmd_index(config: IndexConfig) -> None:
@@ -395,6 +305,18 @@ COMMANDS: dict[str, Command] = {
             "(or per "
             "sentence with --pool mean) to OUT/part-*.parquet. Resumable: a rerun does only missing units. "
             "Example: elmo embed --model data/train/model --input data/ingest --out data/embed"
+        ),
+    ),
+    "refresh": Command(
+        options=RefreshConfig,
+        handler=cmd_refresh,
+        positional=(),
+        help="a table that follows a model: embed a version's table, index it, switch to it",
+        description=(
+            "Embed the corpus with a model version into TABLE/versions/NAME-vN (resumable), index it, then switch "
+            "TABLE/current.duckdb (view: vectors) and TABLE/current.json to it atomically; the version before is "
+            "kept until the next switch. The refresh deployment runs it on each promotion. "
+            "Example: elmo refresh --model models:/elmo@champion --input data/ingest --table data/tables/news"
         ),
     ),
     "query": Command(

@@ -232,6 +232,22 @@ def preset(name: PresetName) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
 
 
+BUDGET_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def budget_seconds(budget: str) -> float:
+    """``30m``, ``2h``, ``90s`` or bare seconds ─► seconds."""
+    text = budget.strip().lower()
+    unit = BUDGET_UNITS.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if unit else text) * (unit or 1)
+    except ValueError:
+        raise ValueError(f"budget {budget!r}: a number of seconds, or one followed by s, m or h (30m, 2h)") from None
+    if value <= 0:
+        raise ValueError(f"budget {budget!r}: must be more than nothing")
+    return value
+
+
 # ----- a model's files ------------------------------------------------------------------------------------
 
 OPTIONS_NAME = "options.json"

@@ -53,6 +53,10 @@ class TrackingError(ElmoError):
     """The MLflow store or a model URI cannot be used."""
 
 
+class StoreUnreachable(TrackingError):
+    """The MLflow server did not answer: passing trouble where the others are not (an orchestrator retries it)."""
+
+
 class NoSpaceError(ElmoError):
     """An output's estimated size does not fit the free space of the filesystem holding it (checked before writing)."""
 

@@ -26,7 +26,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -87,6 +87,18 @@ def file_sha256(path: str | Path) -> str:
     """Hex SHA-256 of a file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def files_digest(paths: Sequence[Path]) -> str:
+    """A dataset's digest: the SHA-256 of its files' names and bytes, in the order given (32 hex digits). The same
+    files have the same digest wherever their folder is; any change to a byte or a name changes it."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()[:32]
 
 
 class FolderLock:

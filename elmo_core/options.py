@@ -6,6 +6,7 @@ Per stage, *options* say what to do and a *config* adds where (input and output 
     VocabOptions     + corpus, db, vocab_file = VocabConfig
     TrainOptions     + data, out, init_from   = TrainConfig
     EmbedOptions     + model, input, out      = EmbedConfig
+    EmbedOptions     + model, input, table    = RefreshConfig
 
 The CLI builds one flag per field (help text = the field's description); a ``--config`` YAML/JSON file and
 flags merge as: field defaults < config file < flags. Flows take the option models as parameters.
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from elmo_core.config import ModelConfig, PresetName, preset
+from elmo_core.config import ModelConfig, PresetName, budget_seconds, preset
 from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION, DEFAULT_TRAINING_PRECISION
 from elmo_core.errors import ConfigError, describe_validation_error, validate  # noqa: F401  (theirs, here too)
 from elmo_core.text.tokenize import TokenizerName
@@ -28,22 +29,6 @@ log = logging.getLogger(__name__)
 Precision = Literal["auto", "fp32", "bf16"]  # training's
 # inference's, the same in every command (runtime/placement.py resolves them; int8: CPU only, docs/precision.md)
 InferencePrecision = Literal["auto", "fp32", "bf16", "int8"]
-
-
-BUDGET_UNITS = {"s": 1, "m": 60, "h": 3600}
-
-
-def budget_seconds(budget: str) -> float:
-    """``30m``, ``2h``, ``90s`` or bare seconds ─► seconds."""
-    text = budget.strip().lower()
-    unit = BUDGET_UNITS.get(text[-1:], None)
-    try:
-        value = float(text[:-1] if unit else text) * (unit or 1)
-    except ValueError:
-        raise ValueError(f"budget {budget!r}: a number of seconds, or one followed by s, m or h (30m, 2h)") from None
-    if value <= 0:
-        raise ValueError(f"budget {budget!r}: must be more than nothing")
-    return value
 
 
 class Options(BaseModel):
@@ -402,6 +387,19 @@ class EmbedConfig(EmbedOptions):
         description="an ingested dataset folder, or text files / a folder / a glob (one sentence per line)"
     )
     out: str = Field(description="output dataset folder: part-*.parquet, read with DuckDB, pandas, pyarrow or Spark")
+
+
+class RefreshConfig(EmbedOptions):
+    """``elmo refresh``: a table that follows a model (``vectors.tables``): the corpus embedded with a version into a
+    table of its own, indexed, then switched to as the table in use."""
+
+    model: str = Field("models:/elmo@champion", description="the version: models:/NAME/N, or @ALIAS (pinned first)")
+    input: str = Field(description="the corpus: an ingested dataset folder, or text files / a folder / a glob")
+    table: str = Field(description="the table's folder: versions/ (one table per model version), current.duckdb")
+    alias: str | None = Field(None, description="switch only while this alias still names the version")
+    keep: int = Field(2, ge=1, description="table versions kept: the one in use and those switched away from")
+    index: bool = Field(True, description="build each version's nearest-neighbour index before it is switched to")
+    tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
 
 
 # ----- the smaller commands ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from elmo_core.errors import TrackingError, disk_full
+from elmo_core.errors import StoreUnreachable, TrackingError, disk_full
 from elmo_core.fileio import disk_full_error
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def check_reachable(uri: str | None = None) -> None:
         return  # it answered: a server is there (a proxy may not expose /health)
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise TrackingError(
+        raise StoreUnreachable(
             f"tracking: no MLflow server answers at {uri} ({reason}); start it, point MLFLOW_TRACKING_URI or "
             "tracking_uri elsewhere, or set tracking: none (--tracking none) to run without MLflow"
         ) from None
@@ -380,7 +380,7 @@ def _mlflow() -> Any:
 
 def _fetch_error(uri: str, exc: Exception, tracking_uri: str) -> TrackingError:
     message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return TrackingError(
+    return (StoreUnreachable if isinstance(exc, OSError) else TrackingError)(
         f"{uri}: cannot be fetched from the MLflow store {tracking_uri} ({message}); check the name and version "
         "(`mlflow ui` lists them) and MLFLOW_TRACKING_URI"
     )

@@ -24,12 +24,15 @@ DECISIONS: dict[str, dict[str, set[str]]] = {
             "vectors/probe.py",  # the probe's plan line; its model is pinned first (ProbeStage.settle)
             "train/plan.py",  # the fine-tuned model's shape, of the pinned init_from
             "train/evaluate.py",  # elmo perplexity's plan
+            "vectors/tables.py",  # a refresh's plan: the version pinned, its table's folder named
         },
         "resolve_model": {  # the files, fetched where they are not here: work, under a claim
             "train/loop.py",  # the pinned init_from's files, in each rank
             "serve/run.py",  # the server's HTTP process, once at start and once per reload (serve/versions.py)
         },
-        "pin_reference": {"vectors/probe.py", "train/launch.py", "train/evaluate.py", "train/promote.py"},  # settle()
+        "pin_reference": {  # settle(); a refresh asks which version an alias names now, in its plan and its switch
+            *("vectors/probe.py", "train/launch.py", "train/evaluate.py", "train/promote.py", "vectors/tables.py"),
+        },
         "registered_version": {"train/promote.py"},  # tracking.py's: the runtime's lookup; a promotion reads runs
         "download_model": set(),
     },

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import json
 import logging
 import os
@@ -357,7 +356,7 @@ class TrainStage(WholeStage):
                 decision = promote(
                     result.model_uri, config.promote_to, config.promote_margin, False, config.tracking_uri
                 )
-                result.promotion = {**dataclasses.asdict(decision), "line": decision.line()}
+                result.promotion = decision.record()
             except (ElmoError, OSError) as exc:  # the model is trained and registered; `elmo promote` decides later
                 line = f"{result.model_uri}: not promoted, the comparison failed: {str(exc).splitlines()[0]}"
                 result.promotion = {"model": result.model_uri, "promoted": False, "line": line}

@@ -9,13 +9,13 @@ change to a sentence, a token or the vocabulary's ids changes it.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from elmo_core.fileio import files_digest
 from elmo_core.tracking import DatasetFacts
 
 COLUMNS = (("sentence_id", "string"), ("tokens", "list<string>"), ("ids", "list<int32>"))  # a token ids file's
@@ -43,18 +43,13 @@ def split_dataset(data: str | Path, split: str) -> SplitDataset | None:
     files = sorted(folder.glob("part-*.parquet"))
     if not files:
         return None
-    digest = hashlib.sha256()
     sentences = tokens = 0
     for path in files:
-        digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                digest.update(block)
         table = pq.read_table(path, columns=["ids"])
         sentences += table.num_rows
         tokens += int(pc.sum(pc.list_value_length(table.column("ids"))).as_py() or 0)
     name = f"{Path(data).resolve().name}/{split}"
-    return SplitDataset(name, split, folder.resolve(), digest.hexdigest()[:32], sentences, tokens)
+    return SplitDataset(name, split, folder.resolve(), files_digest(files), sentences, tokens)
 
 
 def facts(dataset: SplitDataset) -> DatasetFacts:

@@ -15,10 +15,12 @@ champion.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from elmo_core import tracking
 from elmo_core.errors import InputError
@@ -47,6 +49,10 @@ class Promotion:
     def line(self) -> str:
         verb = f"promoted to @{self.alias}" if self.promoted else f"not promoted to @{self.alias}"
         return f"{self.model}: {verb}: {self.why}"
+
+    def record(self) -> dict[str, Any]:
+        """The decision as data: what a training's result carries and the promotion event's payload holds."""
+        return {**dataclasses.asdict(self), "line": self.line()}
 
     def tags(self) -> dict[str, str]:
         """The decision and its evidence, as the version's tags."""

@@ -45,12 +45,12 @@ import torch
 from elmo_core.bilm.inference import StateCarry
 from elmo_core.config import read_options
 from elmo_core.errors import InputError, OutputError
-from elmo_core.fileio import atomic_path, require_space, space_line, write_text_atomic
+from elmo_core.fileio import atomic_path, files_digest, require_space, space_line, write_text_atomic
 from elmo_core.options import EmbedConfig, IndexConfig
 from elmo_core.precision import onednn_verbose
 from elmo_core.runtime import ModelLookup, ModelRef, Output, Placement, Runtime, gpu_processes, lookup_model, place
 from elmo_core.stage import run_local, show_plan
-from elmo_core.vectors.ann import IndexStage, IndexSummary
+from elmo_core.vectors.ann import JOB_FILE, IndexStage, IndexSummary
 from elmo_core.vectors.ann.files import table_bytes
 from elmo_core.vectors.sources import (
     TokenizeStage,
@@ -66,7 +66,7 @@ __all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit
 
 log = logging.getLogger(__name__)
 
-JOB_FILE, MANIFEST_FILE = "_job.json", "_manifest.json"
+MANIFEST_FILE = "_manifest.json"
 LEGACY_FILES = ("job.json", "manifest.json", "_input", "_model")  # what earlier versions kept inside OUT
 
 
@@ -139,8 +139,7 @@ class Job:
 
 
 def _read_job(folder: Path) -> dict[str, Any] | None:
-    path = folder / JOB_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    return json.loads((folder / JOB_FILE).read_text()) if (folder / JOB_FILE).exists() else None
 
 
 def _describe_input(value: dict[str, Any] | None) -> str:
@@ -271,6 +270,7 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
             "shards": [[s.name, pq.ParquetFile(s).metadata.num_rows] for s in shards],
         },
         "units": [u.name for u in units],
+        "input_digest": files_digest(shards),  # what a table and its index say they hold (not compared: "input" is)
     }
     target = _target(out, work, identity, config.overwrite)
     processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []

@@ -80,7 +80,7 @@ class EmbeddingStore:
         exact: bool = False,
         nprobe: int | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path = ann.in_use(path)  # a versioned table (``elmo refresh``): the version it uses now
         self.parts = ann.table_parts(self.path) if self.path.is_dir() else {}
         if not self.parts:
             raise InputError(f"{path}: no part-*.parquet embedding files; run `elmo embed` first")

@@ -53,11 +53,15 @@ from elmo_core.vectors.ann.files import (
 )
 from elmo_core.vectors.ann.search import AnnIndex, Row, Shard, cosine, order_key
 from elmo_core.vectors.ann.table import (
+    JOB_FILE,
+    POINTER,
     TableFacts,
     default_nlist,
     first_schema,
+    in_use,
     normalized,
     pick_column,
+    table_job,
     table_model_id,
     table_parts,
     vectors_of,
@@ -97,6 +101,10 @@ __all__ = [
     "read_header",
     "read_shards",
     "summarize",
+    "JOB_FILE",
+    "POINTER",
+    "in_use",
+    "table_job",
     "table_model_id",
     "table_parts",
     "vectors_of",

@@ -40,6 +40,8 @@ class Header:
     nprobe: int
     library: str
     format: int = FORMAT
+    model_version: str | None = None  # the exact model of the table it indexes (models:/elmo/3), and its input's
+    input_digest: str | None = None  # digest (``fileio.files_digest``): what the table's job record says
 
     def differs(self, other: Header) -> str:
         fields = ("column", "key", "model_id", "dim", "dtype", "format")

@@ -18,6 +18,23 @@ from elmo_core.vectors.ann.files import Header
 
 log = logging.getLogger(__name__)
 
+JOB_FILE = "_job.json"  # an embedding table's record of its job: the exact model, its input and the input's digest
+
+
+POINTER = "current.json"  # in a versioned table's folder: the version in use (``vectors.tables``)
+
+
+def in_use(table: str | Path) -> Path:
+    """The folder a reader reads: the version a versioned table uses now (``vectors.tables``), else ``table``."""
+    pointer = Path(table) / POINTER
+    return Path(json.loads(pointer.read_text())["folder"]) if pointer.exists() else Path(table)
+
+
+def table_job(table: Path) -> dict:
+    """The table's job record (``elmo embed`` writes it), or {} for Parquet written some other way."""
+    path = Path(table) / JOB_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
 
 def table_parts(table: Path) -> dict[str, int]:
     """``part-*.parquet`` file name → size in bytes (a stat, no footer read: a query calls this every time)."""
@@ -110,6 +127,8 @@ class TableFacts:
             nlist=chosen,
             nprobe=nprobe or max(16, chosen // 32),
             library=f"faiss-cpu {faiss.__version__}",
+            model_version=table_job(table).get("model_version"),
+            input_digest=table_job(table).get("input_digest"),
         )
         return cls(table, parts, rows, header)
 
