@@ -23,10 +23,11 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 from prefect import get_run_logger, task, unmapped  # noqa: E402  (after the environment defaults)
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact  # noqa: E402
-from prefect.events import emit_event  # noqa: E402
 from prefect.futures import as_completed  # noqa: E402
+from prefect.tasks import exponential_backoff  # noqa: E402
 
-from elmo_core.errors import DiskFullError, ElmoError, disk_full  # noqa: E402
+from elmo_core import events  # noqa: E402
+from elmo_core.errors import DiskFullError, ElmoError, StoreUnreachable, disk_full  # noqa: E402
 from elmo_core.fileio import as_disk_full, output_of  # noqa: E402
 from elmo_core.progress import Progress, add_sink, format_amount, track  # noqa: E402
 from elmo_core.stage import Stage  # noqa: E402
@@ -121,15 +122,20 @@ for _logger in ("prefect.task_runs", "prefect.flow_runs"):
 
 
 def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
-    """Retries are for passing trouble (a busy disk, a full one freed meanwhile, a flaky store), not for input that
-    is wrong."""
+    """Retries are for passing trouble (a busy disk, a full one freed meanwhile, an MLflow server away for a while,
+    a lost worker), not for input that is wrong."""
     error = state.result(raise_on_failure=False)
-    return not isinstance(error, ElmoError) or isinstance(error, DiskFullError)
+    return not isinstance(error, ElmoError) or isinstance(error, (DiskFullError, StoreUnreachable))
 
 
-# the project's one retry policy (``@task(**RETRIED)``): passing trouble (a locked file, a full disk freed meanwhile)
-# is retried twice, five seconds apart; a user's error is not
-RETRIED: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_unless_user_error}
+# the project's one retry policy (``@task(**RETRIED)``): passing trouble is retried three times, 5, 10 and 20 s
+# later (give or take a fifth, so that many tasks failed by one outage do not come back at once); a user's error is not
+RETRIED: dict[str, Any] = {
+    "retries": 3,
+    "retry_delay_seconds": exponential_backoff(backoff_factor=5),
+    "retry_jitter_factor": 0.2,
+    "retry_condition_fn": retry_unless_user_error,
+}
 
 
 def run_main(flow_fn: Callable[..., Any], *args: Any) -> None:
@@ -208,22 +214,12 @@ def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> str | None:
     return f"http://127.0.0.1:5000/#/experiments/{experiment}/runs/{run_id}"
 
 
-PROMOTED_EVENT = "elmo.model.promoted"  # what a promotion emits; prefect.yaml's embed trigger listens for it
-
-
 def announce_promotion(promotion: dict[str, Any] | None, tracking_uri: str | None) -> None:
     """A training's promotion in the Prefect UI (an artifact with the decision and its evidence) and, where the
-    version became the alias's, the event ``elmo.model.promoted`` (resource ``elmo.model.NAME``; payload: the
-    version's URI, the alias, the evidence), which deployments' triggers can follow."""
+    version became the alias's, the event ``elmo.model.promoted`` (``elmo_core.events``) that the refresh
+    deployment's trigger follows."""
     if not promotion:
         return
     rows = [{"field": key, "value": str(value)} for key, value in promotion.items() if key != "line"]
     create_table_artifact(key="promotion", table=rows, description=promotion["line"])
-    if not promotion.get("promoted") or promotion.get("why", "").startswith(f"@{promotion.get('alias')} names it"):
-        return
-    name = promotion["model"].removeprefix("models:/").split("/")[0]
-    emit_event(
-        event=PROMOTED_EVENT,
-        resource={"prefect.resource.id": f"elmo.model.{name}", "prefect.resource.name": name},
-        payload={**{k: v for k, v in promotion.items() if k != "line"}, "tracking_uri": tracking_uri or ""},
-    )
+    events.announce_promotion(promotion, tracking_uri)

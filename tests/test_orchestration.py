@@ -128,6 +128,14 @@ def _readme_params(deployment: str) -> str:
     return match.group(1)
 
 
+def _readme_champion_params() -> str:
+    """The JSON after `prefect --no-prompt deploy --name champion --params` in the README's walkthrough."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"prefect --no-prompt deploy --name champion --params '(.*?)'", readme, re.S)
+    assert match, "no `prefect --no-prompt deploy --name champion --params` in the README"
+    return match.group(1)
+
+
 def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
     """The README's commands as written (its paths mapped into tmp_path): deploy, train, embed; tables hold exactly
     one row per corpus token."""
@@ -139,15 +147,19 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         with gzip.open(corpus / f"part{i}.txt.gz", "wt", encoding="utf-8") as f:
             f.write("\n".join(lines[i::2]) + "\n")
 
-    def params(deployment: str) -> str:
-        text = _readme_params(deployment).replace("/corpora/news", str(corpus)).replace("/runs/news", str(runs))
+    def params_of(text: str) -> str:
+        text = text.replace("/corpora/news", str(corpus)).replace("/runs/news", str(runs))
         json.loads(text)  # valid JSON, as the README shows it
         return text
+
+    def params(deployment: str) -> str:
+        return params_of(_readme_params(deployment))
 
     _prefect(env, "work-pool", "create", "local", "--type", "process", "--overwrite")
     deployed = _prefect(env, "--no-prompt", "deploy", "--all")
     assert "elmo/train" in deployed.stdout and "embed/embed" in deployed.stdout and "probe/probe" in deployed.stdout
-    assert "elmo/train-gpu" in deployed.stdout
+    assert "elmo/train-gpu" in deployed.stdout and "refresh/champion" in deployed.stdout
+    _prefect(env, "--no-prompt", "deploy", "--name", "champion", "--params", params_of(_readme_champion_params()))
     worker_log = open(tmp_path / "worker.log", "w")
     worker = subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", "local"],
@@ -193,6 +205,21 @@ def test_the_readme_walkthrough_through_a_worker(prefect_server, tmp_path):
         (promoted,) = events["events"]  # type: ignore[call-overload]
         assert promoted["resource"]["prefect.resource.id"] == "elmo.model.elmo"
         assert promoted["payload"]["model"] == "models:/elmo/1" and promoted["payload"]["alias"] == "champion"
+
+        # ... which the refresh deployment's trigger followed: the corpus's table, version 1, in use
+        def refreshes() -> list[dict]:
+            return _api(env, "/flow_runs/filter", {"flows": {"name": {"any_": ["refresh"]}}})
+
+        def refreshed() -> bool:
+            states = [r["state"]["type"] for r in refreshes()]
+            assert not {"FAILED", "CRASHED"} & set(states), (tmp_path / "worker.log").read_text()[-3000:]
+            return states == ["COMPLETED"]
+
+        _wait(refreshed, 300, "the refresh the promotion triggered")
+        (refresh,) = refreshes()
+        assert refresh["created_by"]["type"] == "AUTOMATION"  # nobody started it
+        pointer = json.loads((runs / "tables" / "news" / "current.json").read_text())
+        assert pointer["name"] == "elmo-v1" and pointer["model_version"] == "models:/elmo/1"
 
         run = _prefect(
             env,
