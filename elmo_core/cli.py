@@ -27,6 +27,7 @@ from elmo_core.options import (
     IndexConfig,
     InfoConfig,
     IngestConfig,
+    OnnxConfig,
     Options,
     PerplexityConfig,
     PromoteConfig,
@@ -154,6 +155,12 @@ def cmd_refresh(config: RefreshConfig) -> None:
     from elmo_core.vectors.tables import refresh
 
     print(refresh(config).line())
+
+
+def cmd_onnx(config: OnnxConfig) -> None:
+    from elmo_core.runtime.onnx_file import export_onnx
+
+    print(export_onnx(config).line())
 
 
 def cmd_index(config: IndexConfig) -> None:
@@ -317,6 +324,18 @@ COMMANDS: dict[str, Command] = {
             "TABLE/current.duckdb (view: vectors) and TABLE/current.json to it atomically; the version before is "
             "kept until the next switch. The refresh deployment runs it on each promotion. "
             "Example: elmo refresh --model models:/elmo@champion --input data/ingest --table data/tables/news"
+        ),
+    ),
+    "onnx": Command(
+        options=OnnxConfig,
+        handler=cmd_onnx,
+        positional=("model",),
+        help="a model as one ONNX file, for ONNX Runtime, Triton or another language",
+        description=(
+            "Write MODEL (a folder, the published files, runs:/ or models:/) as one ONNX file: input char_ids "
+            "(batch, tokens, 50) as AllenNLP's batch_to_ids gives them, outputs layers (L+1, batch, tokens, 2P) and "
+            "mask; batch and length dynamic; each weight stored once (docs/onnx.md). "
+            "Example: elmo onnx models:/elmo@champion --out elmo.onnx"
         ),
     ),
     "query": Command(

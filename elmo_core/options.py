@@ -415,6 +415,14 @@ class PromoteConfig(Options):
     tracking_uri: str | None = Field(None, description=TRACKING_URI_HELP)
 
 
+class OnnxConfig(Options):
+    """``elmo onnx``: a model as one ONNX file (``runtime.onnx_file``)."""
+
+    model: str = Field(description="model directory, the published files' folder, runs:/RUN/model or models:/NAME/N")
+    out: str = Field(description="the .onnx file to write (whole, or not at all)")
+    overwrite: bool = Field(False, description="replace an existing file")
+
+
 class PerplexityConfig(Options):
     model: str = Field(description="model directory with its softmax and vocab.txt, or an MLflow model URI")
     corpus: str = Field(description="an ingested dataset folder")

@@ -46,7 +46,7 @@ ROOMS = {
     "data": ["vocab", "batches", "prefetch", "__init__"],
     "bilm": [
         *("weights", "manylangs", "inference", "lstm_math", "kernels", "packing", "lstm", "model", "scalar_mix"),
-        *("initialization", "softmax", "fine_tune", "__init__"),
+        *("initialization", "softmax", "fine_tune", "onnx_export", "__init__"),
     ],
     "bilm.kernels": [
         *("switches", "cache", "packed", "int8", "fused_gates", "step_loop", "trained_step", "char_cnn", "cells"),
@@ -60,7 +60,7 @@ ROOMS = {
         "mlflow_model",
         "__init__",
     ],
-    "runtime": ["reference", "placement", "output", "engine", "info", "__init__"],
+    "runtime": ["reference", "placement", "output", "engine", "info", "onnx_file", "__init__"],
     # the index (ann): a part of an embedding job
     "vectors": ["ann", "sources", "embed", "tables", "probe", "demo", "query", "__init__"],
     "vectors.ann": ["files", "table", "build", "search", "__init__"],

@@ -1,0 +1,172 @@
+"""`elmo onnx`: one file that ONNX Runtime runs without torch and that gives our runtime's numbers.
+
+The exported files run in a subprocess that imports onnxruntime and numpy only (it asserts torch never loaded);
+its layers are compared with the runtime's (``Runtime.embed``, fp32) on the TensorFlow-made fixtures, on real text
+through weights that drive a fifth of the cells to the clip, on a batch of mixed lengths against each sentence
+alone, and on a registered version (``models:/``) whose identity the file's metadata names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from elmo_core.allennlp import batch_to_ids
+from elmo_core.bilm.model import BiLM
+from elmo_core.config import preset
+from elmo_core.runtime import Runtime
+from elmo_core.runtime.onnx_file import parameter_bytes
+from tests.helpers import ROOT, run_elmo
+from tests.test_disk_full import assert_disk_full_line, assert_refused, fill, leftovers, limit_entries, tmpfs
+from tests.test_model_versions import register, store  # noqa: F401
+from tests.test_precision import _real_text
+
+# runs each case's batch through its file: onnxruntime and numpy only
+RUNNER = """
+import json, sys
+import numpy as np
+import onnxruntime as ort
+cases = json.loads(open(sys.argv[1]).read())
+for case in cases:
+    session = ort.InferenceSession(case["onnx"], providers=["CPUExecutionProvider"])
+    meta = session.get_modelmeta().custom_metadata_map
+    ids = np.load(case["ids"])
+    layers, mask = session.run(None, {"char_ids": ids})
+    alone = [session.run(None, {"char_ids": ids[i : i + 1, : int(mask[i].sum())]})[0][:, 0] for i in range(len(ids))]
+    np.savez(case["out"], layers=layers, mask=mask, **{f"alone_{i}": a for i, a in enumerate(alone)})
+    json.dump(meta, open(case["out"] + ".meta.json", "w"))
+assert "torch" not in sys.modules, "onnxruntime's run imported torch"
+print("torch-free")
+"""
+
+
+def _export(model: str, out: Path) -> subprocess.CompletedProcess:
+    done = run_elmo("onnx", model, "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def _run_torch_free(tmp_path: Path, cases: dict[str, tuple[Path, list[list[str]]]]) -> dict[str, dict]:
+    """Each case's sentences through its file in one torch-free process: layers, mask, each sentence alone, meta."""
+    jobs = []
+    for name, (onnx_file, sentences) in cases.items():
+        np.save(tmp_path / f"{name}.npy", batch_to_ids(sentences).numpy())
+        jobs.append({"onnx": str(onnx_file), "ids": str(tmp_path / f"{name}.npy"), "out": str(tmp_path / name)})
+    (tmp_path / "cases.json").write_text(json.dumps(jobs))
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(tmp_path / "cases.json")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "torch-free", done.stderr[-3000:]
+    results = {}
+    for name in cases:
+        found = dict(np.load(tmp_path / f"{name}.npz"))
+        found["meta"] = json.loads((tmp_path / f"{name}.meta.json").read_text())
+        results[name] = found
+    return results
+
+
+def _check(found: dict, expected: list[np.ndarray], tolerance: float = 1e-5) -> float:
+    """The file's padded layers against the runtime's per sentence: equal where a token is, zero where none is; each
+    sentence alone equal to its row of the batch. Returns the largest difference."""
+    layers, mask = found["layers"], found["mask"]
+    worst = 0.0
+    for i, ours in enumerate(expected):
+        n = ours.shape[1]
+        assert int(mask[i].sum()) == n and not mask[i, n:].any()
+        worst = max(worst, float(np.abs(layers[:, i, :n] - ours).max()))
+        assert not layers[:, i, n:].any()  # padding: zeros, as the runtime's padded layers
+        assert np.abs(found[f"alone_{i}"] - layers[:, i, :n]).max() < 1e-6  # the batch changes nothing
+    assert worst < tolerance, worst
+    return worst
+
+
+def _clip_heavy(allennlp_dir: Path, folder: Path) -> Path:
+    """The fixture with forget and input gates pushed open (test_precision's weights): a fifth of the cells clip."""
+    bilm = BiLM.from_pretrained(str(allennlp_dir))
+    with torch.no_grad():
+        for lstm in bilm.lstm.all_layers():
+            h = lstm.hidden_size
+            lstm.bias_ih_l0[h : 2 * h] += 2.0
+            lstm.bias_ih_l0[:h] += 1.0
+            lstm.weight_ih_l0[2 * h : 3 * h] *= 3
+            lstm.weight_hh_l0[2 * h : 3 * h] *= 3
+    bilm.save_pretrained(str(folder))
+    return folder
+
+
+def test_the_file_gives_the_runtimes_layers_without_torch(tmp_path, allennlp_dir, bilm_tf_dir, fixture_sentences):
+    bilm_tf = bilm_tf_dir / "model"
+    tf_sentences = [s.split() for k in json.loads((bilm_tf / "lm_embeddings_sentences.json").read_text()) for s in k]
+    text = _real_text(60)
+    models = {
+        "allennlp": (allennlp_dir, [s.split() for k in fixture_sentences for s in k]),
+        "bilm_tf": (bilm_tf, tf_sentences),
+        "clip_heavy": (_clip_heavy(allennlp_dir, tmp_path / "clip_heavy"), text),
+    }
+    cases = {}
+    for name, (folder, sentences) in models.items():
+        _export(str(folder), tmp_path / f"{name}.onnx")
+        cases[name] = (tmp_path / f"{name}.onnx", sentences)
+    found = _run_torch_free(tmp_path, cases)
+    for name, (folder, sentences) in models.items():
+        runtime = Runtime.open(str(folder), device="cpu", precision="fp32")
+        worst = _check(found[name], runtime.embed(sentences))
+        print(f"{name}: {len(sentences)} sentences, largest difference {worst:.1e}")
+        assert found[name]["meta"]["elmo.model"] == str(Path(folder).resolve()) and found[name]["meta"]["elmo.opset"]
+
+
+def test_each_weight_is_stored_once(tmp_path):
+    """At the published small shape (13.6M parameters without the softmax): the file within 1.10x their bytes."""
+    torch.manual_seed(0)
+    BiLM(preset("small")).save_pretrained(str(tmp_path / "small"))
+    _export(str(tmp_path / "small"), tmp_path / "small.onnx")
+    weights = parameter_bytes(BiLM.from_pretrained(str(tmp_path / "small")))
+    size = (tmp_path / "small.onnx").stat().st_size
+    assert size <= 1.10 * weights, (size, weights)
+    assert weights > 40e6  # the softmax-free parameters of the small shape, not a fixture's
+
+
+def test_a_registered_version_is_exported_under_its_exact_name(tmp_path, allennlp_dir, store):  # noqa: F811
+    exact = register(allennlp_dir, "onnxed")
+    done = run_elmo("onnx", "models:/onnxed@champion", "--out", str(tmp_path / "x.onnx"), env=store)
+    assert done.returncode != 0 and "onnxed@champion" in done.stderr  # no alias yet: one line, no file
+    assert not (tmp_path / "x.onnx").exists() and not list(tmp_path.glob(".x.onnx*"))
+    done = run_elmo("onnx", "models:/onnxed/latest", "--out", str(tmp_path / "x.onnx"), env=store)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"onnx: {exact} -> ")
+    found = _run_torch_free(tmp_path, {"registered": (tmp_path / "x.onnx", [["a", "registered", "model"]])})
+    meta = found["registered"]["meta"]
+    assert meta["elmo.model"] == exact and json.loads(meta["elmo.identity"])["version"] == "1"
+
+
+def test_bad_requests_are_one_line_and_leave_nothing(tmp_path, allennlp_dir):
+    out = tmp_path / "m.onnx"
+    out.write_bytes(b"a file of the user's")
+    refused = run_elmo("onnx", str(allennlp_dir), "--out", str(out))
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "exists" in refused.stderr and out.read_bytes() == b"a file of the user's"
+    missing = run_elmo("onnx", str(tmp_path / "no-model"), "--out", str(tmp_path / "n.onnx"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "n.onnx").exists() and [p.name for p in tmp_path.iterdir()] == ["m.onnx"]
+    replaced = run_elmo("onnx", str(allennlp_dir), "--out", str(out), "--overwrite")
+    assert replaced.returncode == 0 and out.read_bytes()[:2] != b"a "
+
+
+def test_a_full_disk_leaves_no_file(tmp_path, allennlp_dir):
+    """On a real small filesystem: refused before writing where the file cannot fit; a write that runs out of room
+    part way (no entry left for the file) is the one line of a full disk; neither leaves a file or a temporary."""
+    with tmpfs(tmp_path / "disk", 1024) as disk:
+        filler = fill(disk, 100_000)  # less than the 434 kB file
+        assert_refused(run_elmo("onnx", str(allennlp_dir), "--out", str(disk / "m.onnx")), "onnx", disk)
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+        filler.unlink()
+        limit_entries(disk, 0)
+        full = run_elmo("onnx", str(allennlp_dir), "--out", str(disk / "m.onnx"))
+        assert_disk_full_line(full, "onnx", disk / "m.onnx")
+        assert list(disk.iterdir()) == [] and leftovers(disk) == []
+        limit_entries(disk, None)
+        assert run_elmo("onnx", str(allennlp_dir), "--out", str(disk / "m.onnx")).returncode == 0
