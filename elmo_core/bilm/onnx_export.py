@@ -56,7 +56,8 @@ class _Graph:
 
     def weight(self, hint: str, value: np.ndarray) -> str:
         name = self.name(hint)
-        self.initializers.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        value = np.ascontiguousarray(value) if value.ndim else value  # (ascontiguousarray makes a scalar 1-D)
+        self.initializers.append(self.numpy_helper.from_array(value, name))
         return name
 
     def const(self, value: Any, dtype: Any = np.int64) -> str:
@@ -85,10 +86,13 @@ def _boundaries(g: _Graph, char_ids: str, bos: np.ndarray, eos: np.ndarray) -> t
 
 
 def _token_encoder(g: _Graph, bilm: BiLM, ids: str) -> str:
-    """(B, T', C) char ids ─► (B, T', P) token embeddings: ``model.TokenEncoder`` for bilm-tf's spelling."""
+    """(B, T', C) char ids ─► (B, T', P) token embeddings: ``model.TokenEncoder`` for bilm-tf's spelling, once per
+    distinct word of the batch (``Unique`` rows, as the runtime's ``_distinct_chars``), then gathered per token."""
     encoder, cnn = bilm.token_encoder, bilm.token_encoder.char_cnn
-    flat = g.op("Reshape", [ids, g.const([-1, bilm.config.char_cnn.max_characters_per_token])])
-    chars = g.op("Gather", [g.weight("char_embedding", _array(cnn.char_embedding.weight)), flat])  # (N, C, D)
+    width = bilm.config.char_cnn.max_characters_per_token
+    flat = g.op("Reshape", [ids, g.const([-1, width])])
+    distinct, _, inverse, _ = g.op("Unique", [_content(g, flat, cnn.pad_id, cnn.max_width, width)], axis=0, outputs=4)
+    chars = g.op("Gather", [g.weight("char_embedding", _array(cnn.char_embedding.weight)), distinct])  # (U, C', D)
     x = g.op("Transpose", [chars], perm=[0, 2, 1])  # (N, D, C)
     activation = "Relu" if cnn.activation is torch.relu else "Tanh"
     pooled = []
@@ -117,8 +121,20 @@ def _token_encoder(g: _Graph, bilm: BiLM, ids: str) -> str:
     if encoder.projection is not None:
         weight, bias = _array(encoder.projection.weight), _array(encoder.projection.bias)
         h = g.op("Gemm", [h, g.weight("projection_w", weight), g.weight("projection_b", bias)], transB=1)
+    h = g.op("Gather", [h, inverse])  # (N, P): each token its word's row
     shape = g.op("Concat", [g.op("Slice", [g.op("Shape", [ids]), g.const([0]), g.const([2])]), g.const([-1])], axis=0)
     return g.op("Reshape", [h, shape], hint="token_embeddings")
+
+
+def _content(g: _Graph, flat: str, pad_id: int, max_width: int, width: int) -> str:
+    """(N, C) ─► (N, C') with C' the longest word's chars plus the widest filter, at most C: as ``CharCNN`` does,
+    the windows cut away all lie in the in-word padding, whose value a kept window still gives, so the max over
+    positions is unchanged (padding tokens, all zeros, count for nothing)."""
+    chars = g.op("And", [g.op("Not", [g.op("Equal", [flat, g.const(pad_id)])]), g.op("Greater", [flat, g.const(0)])])
+    position = g.op("Range", [g.const(1), g.const(width + 1), g.const(1)])
+    last = g.op("ReduceMax", [g.op("Mul", [g.op("Cast", [chars], to=7), position])], keepdims=0)
+    keep = g.op("Min", [g.op("Add", [last, g.const(max_width)]), g.const(width)])
+    return g.op("Slice", [flat, g.const([0]), g.op("Unsqueeze", [keep, g.const([0])]), g.const([1])])
 
 
 def _cell_body(g: _Graph, lstm: torch.nn.LSTM, clips: tuple[float | None, float | None]) -> Any:
