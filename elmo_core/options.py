@@ -419,7 +419,8 @@ class OnnxConfig(Options):
     """``elmo onnx``: a model as one ONNX file (``runtime.onnx_file``)."""
 
     model: str = Field(description="model directory, the published files' folder, runs:/RUN/model or models:/NAME/N")
-    out: str = Field(description="the .onnx file to write (whole, or not at all)")
+    out: str | None = Field(None, description="the .onnx file to write (whole, or not at all)")
+    triton: str | None = Field(None, description="or a Triton model repository: DIR/NAME/config.pbtxt, 1/model.onnx")
     overwrite: bool = Field(False, description="replace an existing file")
 
 

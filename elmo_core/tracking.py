@@ -107,6 +107,12 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def _onnx_beside(model_dir: str | Path) -> dict[str, str]:
+    """The model's ONNX file (``MODEL_DIR.onnx``, ``runtime.onnx_file.write_beside``) as the artifact ``onnx``."""
+    onnx = Path(model_dir).with_suffix(".onnx")
+    return {"onnx": str(onnx)} if onnx.exists() else {}
+
+
 class _MetricQueue:
     """Metric points sent by a background thread, so that a tracking server that goes away mid-run neither stalls
     nor kills the training: points that fail are kept and sent again with the next ones, ``close`` gives them a last
@@ -282,7 +288,7 @@ class MLflowTracker:
             name=MODEL_ARTIFACT,
             signature=pyfunc_signature(),
             python_model=str(Path(__file__).parent / "train" / "mlflow_model.py"),  # models from code: no pickle
-            artifacts={"elmo": str(model_dir)},
+            artifacts={"elmo": str(model_dir), **_onnx_beside(model_dir)},
             registered_model_name=registered_name,
             pip_requirements=["torch", "numpy", "h5py", "pydantic", "pyyaml"],
             code_paths=[str(PROJECT_ROOT / "elmo_core")],

@@ -170,3 +170,44 @@ def test_a_full_disk_leaves_no_file(tmp_path, allennlp_dir):
         assert list(disk.iterdir()) == [] and leftovers(disk) == []
         limit_entries(disk, None)
         assert run_elmo("onnx", str(allennlp_dir), "--out", str(disk / "m.onnx")).returncode == 0
+
+
+def test_a_triton_repository_whose_config_tritons_protobuf_parses(tmp_path, allennlp_dir):
+    """``--triton DIR``: DIR/elmo/config.pbtxt parsed by Triton's own ModelConfig message (tritonclient), its
+    tensors those of DIR/elmo/1/model.onnx less the batch dimension, which comes first in every tensor there (as
+    Triton batches), with the same numbers as the plain file's."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    done = run_elmo("onnx", str(allennlp_dir), "--triton", str(tmp_path / "repository"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = tmp_path / "repository" / "elmo"
+    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert config.backend == "onnxruntime" and config.max_batch_size > 0 and config.HasField("dynamic_batching")
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(folder / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    shapes = {t.name: t.shape for t in [*session.get_inputs(), *session.get_outputs()]}
+    for tensor in [*config.input, *config.output]:
+        onnx_shape = shapes[tensor.name]
+        assert onnx_shape[0] == "batch" and len(onnx_shape) == len(tensor.dims) + 1, (tensor.name, onnx_shape)
+        assert [d if isinstance(d, int) else -1 for d in onnx_shape[1:]] == list(tensor.dims), tensor.name
+    _export(str(allennlp_dir), tmp_path / "plain.onnx")
+    plain = ort.InferenceSession(str(tmp_path / "plain.onnx"), providers=["CPUExecutionProvider"])
+    ids = batch_to_ids([["Triton", "batches", "first"], ["a", "second", "longer", "sentence", "here"]]).numpy()
+    batched, plain_layers = session.run(None, {"char_ids": ids})[0], plain.run(None, {"char_ids": ids})[0]
+    assert np.array_equal(batched, plain_layers.transpose(1, 0, 2, 3))
+
+
+def test_the_docs_python_example_runs_without_torch(tmp_path, allennlp_dir):
+    """docs/onnx.md's Python example as written, next to an exported elmo.onnx: its char ids are AllenNLP's."""
+    import re
+
+    docs = (ROOT / "docs" / "onnx.md").read_text(encoding="utf-8")
+    (example,) = re.findall(r"```python\n(import numpy as np.*?)```", docs, re.S)
+    _export(str(allennlp_dir), tmp_path / "elmo.onnx")
+    checks = "\nassert 'torch' not in __import__('sys').modules\nnp.save('ids.npy', char_ids([['Apple', 'Ünïcode']]))\n"
+    done = subprocess.run([sys.executable, "-c", example + checks], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("(3, 2, 4, 32) [[1, 1, 1, 1], [1, 1, 1, 0]] ")
+    assert np.array_equal(np.load(tmp_path / "ids.npy"), batch_to_ids([["Apple", "Ünïcode"]]).numpy())

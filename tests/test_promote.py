@@ -46,6 +46,13 @@ def test_a_better_version_becomes_the_champion_a_worse_one_does_not(tmp_path, da
     }
     assert set(logged) == {"train", "heldout"} and logged["heldout"].digest and '"tokens"' in logged["heldout"].profile
 
+    # the version's MLflow model carries its ONNX file beside the bilm-tf folder (docs/onnx.md)
+    import onnxruntime
+
+    carried = mlflow.artifacts.download_artifacts(f"{first}/artifacts/model.onnx", dst_path=str(tmp_path / "onnx"))
+    session = onnxruntime.InferenceSession(carried, providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["layers", "mask"]
+
     decision = promote(first)
     assert decision.promoted and "the first version" in decision.why and decision.perplexity is not None
     assert str(client.get_model_version_by_alias("promoted", "champion").version) == "1"

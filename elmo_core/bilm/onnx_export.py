@@ -220,8 +220,10 @@ def _direction(g: _Graph, lstm: torch.nn.LSTM, clips: tuple, x: str, lengths: st
     return y
 
 
-def build(bilm: BiLM, metadata: dict[str, str]) -> Any:
-    """The ``onnx.ModelProto`` of ``bilm`` (module docstring), ``metadata`` in its metadata_props."""
+def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> Any:
+    """The ``onnx.ModelProto`` of ``bilm`` (module docstring), ``metadata`` in its metadata_props. ``batch_first``:
+    ``layers`` as (B, L+1, T, 2P), the layout Triton batches (it takes the first dimension of every tensor as the
+    batch's)."""
     import onnx
 
     if bilm.config.manylangs is not None:
@@ -246,9 +248,14 @@ def build(bilm: BiLM, metadata: dict[str, str]) -> Any:
     stacked = g.op("Concat", [g.op("Unsqueeze", [x, g.const([0])]) for x in layers], axis=0)  # (L+1, B, T+2, 2P)
     inner = g.op("Slice", [stacked, g.const([1]), g.const([-1]), g.const([2])])  # the boundaries removed
     keep = g.op("Unsqueeze", [g.op("Cast", [mask], to=1), g.const([0, 3])])
-    g.nodes.append(g.helper.make_node("Mul", [inner, keep], [LAYERS]))
+    if batch_first:
+        g.nodes.append(g.helper.make_node("Transpose", [g.op("Mul", [inner, keep])], [LAYERS], perm=[1, 0, 2, 3]))
+    else:
+        g.nodes.append(g.helper.make_node("Mul", [inner, keep], [LAYERS]))
     g.nodes.append(g.helper.make_node("Identity", [mask], [MASK]))
     width = 2 * cfg.projection_dim
+    layers_shape = ["batch", cfg.n_layers + 1] if batch_first else [cfg.n_layers + 1, "batch"]
+    layers_shape += ["tokens", width]
     graph = g.helper.make_graph(
         g.nodes,
         "elmo_bilm",
@@ -258,9 +265,7 @@ def build(bilm: BiLM, metadata: dict[str, str]) -> Any:
             )
         ],
         [
-            g.helper.make_tensor_value_info(
-                LAYERS, onnx.TensorProto.FLOAT, [cfg.n_layers + 1, "batch", "tokens", width]
-            ),
+            g.helper.make_tensor_value_info(LAYERS, onnx.TensorProto.FLOAT, layers_shape),
             g.helper.make_tensor_value_info(MASK, onnx.TensorProto.INT64, ["batch", "tokens"]),
         ],
         initializer=g.initializers,
