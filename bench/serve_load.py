@@ -10,6 +10,8 @@ sentences: real English with its long-tailed lengths (Python's help topics, the 
 tokens), and, at the highest concurrency, synthetic ones (10-40 Zipfian made-up words). One sentence a request,
 as a search box or a tagger sends them; every server answers the sentence's pooled vector (``/embed`` output
 ``mean`` as base64; the pyfunc model with ``pooled``), and ``elmo serve`` once more with every token's mixed vector.
+In fp32 the same model exported with ``elmo onnx`` is served too (``elmo serve FILE.onnx``: ONNX Runtime in the model
+process, no torch), at every concurrency and with every layer per token.
 
 Closed loop: C clients, each sending its next request when the last is answered, for ``--seconds`` after a
 warm-up; printed per server and C: tokens/s of answered sentences, p50/p95/p99 latency, non-200 answers. The
@@ -398,7 +400,7 @@ def main() -> None:
         help="the burst's connections open at once at most (0: no cap; each holds a file descriptor on both sides)",
     )
     parser.add_argument("--sentences", type=int, default=3000, help="the pool of real sentences requests cycle over")
-    parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic")
+    parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic, onnx")
     parser.add_argument(
         "--token-encodings", default="float,base64,binary", help="every layer per token at the top concurrency, as"
     )
@@ -497,6 +499,20 @@ def main() -> None:
             try:
                 for clients in levels:
                     run(serve_target("elmo serve, batching off", base), clients, real, batch_job)
+            finally:
+                stop(server)
+        if "onnx" not in skip and args.precision == "fp32":  # the torch-free server on `elmo onnx`'s file
+            from elmo_core.options import OnnxConfig
+            from elmo_core.runtime.onnx_file import export_onnx
+
+            export_onnx(OnnxConfig(model=str(model_dir), out=str(work / "model.onnx")))
+            server, base = start_serve(work / "model.onnx", "fp32", work / "serve-onnx.log")
+            try:
+                for clients in levels:
+                    run(serve_target("elmo serve FILE.onnx", base), clients, real, batch_job)
+                top = max(levels)
+                for encoding in [e for e in args.token_encodings.split(",") if e]:
+                    run(layers_target(f"FILE.onnx, layers as {encoding}", base, encoding), top, real, batch_job)
             finally:
                 stop(server)
         if "mlflow" not in skip:

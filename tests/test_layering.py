@@ -65,7 +65,10 @@ ROOMS = {
     "vectors": ["ann", "sources", "embed", "tables", "probe", "demo", "query", "__init__"],
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
-    "serve": ["api", "compute", "workers", "versions", "metrics", "middleware", "batcher", "app", "run", "__init__"],
+    "serve": [
+        *("api", "encode", "compute", "onnx_compute", "workers", "versions", "metrics", "middleware", "batcher"),
+        *("app", "run", "__init__"),
+    ],
 }
 
 

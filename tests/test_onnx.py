@@ -20,7 +20,7 @@ from elmo_core.bilm.model import BiLM
 from elmo_core.config import preset
 from elmo_core.runtime import Runtime
 from elmo_core.runtime.onnx_file import parameter_bytes
-from tests.helpers import ROOT, run_elmo
+from tests.helpers import ROOT, run_elmo, stop_group
 from tests.test_disk_full import assert_disk_full_line, assert_refused, fill, leftovers, limit_entries, tmpfs
 from tests.test_model_versions import register, store  # noqa: F401
 from tests.test_precision import _real_text
@@ -211,3 +211,48 @@ def test_the_docs_python_example_runs_without_torch(tmp_path, allennlp_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("(3, 2, 4, 32) [[1, 1, 1, 1], [1, 1, 1, 0]] ")
     assert np.array_equal(np.load(tmp_path / "ids.npy"), batch_to_ids([["Apple", "Ünïcode"]]).numpy())
+
+
+def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
+    """`elmo serve FILE.onnx` beside `elmo serve FOLDER`: /embed (every layer, the mix with weights, the mean, in
+    base64) and /v1/embeddings equal within 1e-5, the same model id named; its model process never maps torch."""
+    import base64
+
+    import httpx
+
+    from tests.test_serve import _ready, _serve, _worker_pids
+
+    _export(str(allennlp_dir), tmp_path / "elmo.onnx")
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "onnx").mkdir()
+    torch_server, torch_url = _serve(tmp_path / "torch", str(allennlp_dir))
+    onnx_server, onnx_url = _serve(tmp_path / "onnx", str(tmp_path / "elmo.onnx"))
+    sentences = ["I ate an apple .", "Apple makes phones and the apple tree grows in the garden .", "Yes"]
+    requests = [
+        ("/embed", {"sentences": sentences, "output": "layers", "encoding": "base64"}),
+        ("/embed", {"sentences": sentences, "output": "mix", "mix_weights": [0.5, -1.0, 2.0], "gamma": 1.5}),
+        ("/embed", {"sentences": sentences, "output": "mean", "encoding": "base64"}),
+        ("/v1/embeddings", {"input": sentences, "model": "elmo"}),
+    ]
+    try:
+        _ready(torch_url)
+        _ready(onnx_url)
+        for (pid,) in [_worker_pids(onnx_url)]:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtorch" not in maps and "onnxruntime" in maps
+        for path, body in requests:
+            answers = [httpx.post(url + path, json=body, timeout=60) for url in (torch_url, onnx_url)]
+            assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
+            ours, theirs = (a.json() for a in answers)
+            if path == "/embed":
+                assert ours["model_id"] == theirs["model_id"]
+            for a, b in zip(ours["data"], theirs["data"]):
+                vectors = []
+                for item in (a, b):
+                    value = item["embedding"]
+                    raw = np.frombuffer(base64.b64decode(value), "<f4") if isinstance(value, str) else np.array(value)
+                    vectors.append(raw.astype(np.float32))
+                assert vectors[0].shape == vectors[1].shape and np.abs(vectors[0] - vectors[1]).max() < 1e-5, path
+    finally:
+        stop_group(torch_server)
+        stop_group(onnx_server)

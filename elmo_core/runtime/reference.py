@@ -66,6 +66,7 @@ class ModelRef:
     version: str | None = None  # its version
     run_id: str | None = None  # the MLflow run that logged it
     digest: str | None = None  # ``model_id`` as it was when pinned (``pinned``), checked by ``check_unchanged``
+    onnx: bool = False  # an ``elmo onnx`` file (``options`` and ``weights`` both name it): ONNX Runtime runs it
 
     @property
     def directory(self) -> Path:
@@ -81,8 +82,17 @@ class ModelRef:
 
     @property
     def model_id(self) -> str:
-        """A short content hash of options.json + weights.hdf5: which model made a vector (tables keep it)."""
+        """A short content hash of options.json + weights.hdf5: which model made a vector (tables keep it). An ONNX
+        file names the hash of the files it was exported from (its metadata): the same vectors, the same id."""
+        if self.onnx:
+            return str(onnx_metadata(self.options, *_stamp(self.options)).get("elmo.model_id", "unknown"))
         return _content_id(self.options, self.weights, *_stamp(self.options), *_stamp(self.weights))
+
+    def network(self) -> dict:
+        """The network's shape as options.json has it (an ONNX file keeps it in its metadata, ``elmo.config``)."""
+        if self.onnx:
+            return json.loads(onnx_metadata(self.options, *_stamp(self.options))["elmo.config"])
+        return json.loads(self.options.read_text())
 
     def identity(self) -> dict[str, str | None]:
         """What names this model exactly, for a job's record, a run's tags and a server's ``/info``: the reference
@@ -142,6 +152,8 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
         raise InputError(f"{reference}: no such model directory or options file")
     if is_release(path):
         return _release(reference, path, weight_file)
+    if path.is_file() and path.suffix == ".onnx":
+        return _onnx_file(reference, path)
     if path.is_dir() and not (path / OPTIONS_NAME).exists():
         raise InputError(
             f"{path}: no {OPTIONS_NAME}; a model is a directory with options.json and weights.hdf5, a published "
@@ -153,6 +165,45 @@ def resolve_model(reference: str, weight_file: str | None = None) -> ModelRef:
     origin = "a model directory" if path.is_dir() else "published files"
     exact = str(path.resolve()) if path.is_dir() else reference
     return ModelRef(reference, options, weights, vocab, origin, exact)
+
+
+@functools.lru_cache(maxsize=4)
+def onnx_metadata(path: Path, *stamps: int) -> dict[str, str]:
+    """An ONNX file's metadata (``elmo onnx`` writes which model it is there), read once per file version."""
+    try:
+        import onnx
+    except ImportError:
+        raise InputError(
+            f"{path}: an ONNX file is read with onnx and run with onnxruntime: pip install onnx onnxruntime"
+        ) from None
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # the protobuf's own errors, for a file that is not ONNX
+        raise InputError(f"{path}: not an ONNX file ({type(exc).__name__})") from None
+    return {prop.key: prop.value for prop in model.metadata_props}
+
+
+def _onnx_file(asked: str, path: Path) -> ModelRef:
+    """An ``elmo onnx`` file as a model: named by the exact model it was exported from (its metadata)."""
+    found = onnx_metadata(path, *_stamp(path))
+    if "elmo.model_id" not in found:
+        raise InputError(f"{path}: an ONNX file that `elmo onnx` did not write (no elmo.model_id in its metadata)")
+    identity = json.loads(found.get("elmo.identity", "{}"))
+    version = identity.get("version")
+    exact = found["elmo.model"] if version else str(path.resolve())
+    origin = f"an ONNX file ({found.get('elmo.exporter', 'elmo onnx')})"
+    return ModelRef(
+        asked,
+        path,
+        path,
+        None,
+        origin,
+        exact,
+        identity.get("registered_model"),
+        version,
+        identity.get("run_id"),
+        onnx=True,
+    )
 
 
 def _release(asked: str, folder: Path, weight_file: str | None) -> ModelRef:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import signal
 import threading
@@ -72,7 +71,7 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=4)
 def _options_of(model: Any) -> dict[str, Any]:
-    return json.loads(model.options.read_text())
+    return model.network()
 
 
 class Server:

@@ -9,14 +9,11 @@ sentence's answer leaves encoded (``encode``), so that the HTTP process only joi
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import time
 from typing import Any
 
-import numpy as np
-import orjson
 import torch
 
 from elmo_core.bilm.inference import sentence_slices
@@ -26,6 +23,7 @@ from elmo_core.runtime import Placement, Runtime
 from elmo_core.runtime.engine import WARM_UP
 from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch, Output
+from elmo_core.serve.encode import encode
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +74,3 @@ class BatchEmbedder:
                 embeddings[i] = encode(array, batch.specs[k])
         distinct = len({token for sentence in batch.sentences for token in sentence})
         return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, distinct, runtime.words.missed)
-
-
-def encode(array: np.ndarray, spec: Output) -> bytes:
-    """An embedding as its request asked: JSON text (nested lists, each float32 in its shortest form that reads back
-    exactly, or float16 rounded; orjson writes them 20x as fast as ``json.dumps(array.tolist())``, whose 17-digit
-    doubles made answers twice as long), a base64 string of its bytes, or the raw little-endian bytes (``binary``).
-    ``normalize``: each vector (the last axis) divided by its L2 norm first, as OpenAI's are unit length."""
-    if spec.normalize:
-        norms = np.linalg.norm(array, axis=-1, keepdims=True)
-        array = array / np.maximum(norms, np.finfo(np.float32).tiny)
-    typed = np.ascontiguousarray(array, dtype="<f2" if spec.dtype == "float16" else "<f4")
-    if spec.encoding == "binary":
-        return typed.tobytes()
-    if spec.encoding == "base64":
-        return b'"' + base64.b64encode(typed.tobytes()) + b'"'
-    return orjson.dumps(typed, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -93,6 +93,10 @@ def place_model(config: ServeConfig) -> tuple[ServeConfig, str]:
     import subprocess
     import sys
 
+    if config.model.endswith(".onnx"):  # ONNX Runtime's CPU provider in float32: nothing to decide, no torch
+        if config.device not in ("auto", "cpu") or config.precision not in ("auto", "fp32"):
+            raise ConfigError(f"{config.model}: an ONNX file is served on the CPU in fp32 (ONNX Runtime)")
+        return config.model_copy(update={"device": "cpu", "precision": "fp32"}), "an ONNX file, run in fp32"
     done = subprocess.run(
         [sys.executable, "-m", "elmo_core.runtime.placement", config.device, config.precision],
         capture_output=True,

@@ -53,16 +53,26 @@ class WorkerPlan:
     max_batch_tokens: int
 
 
+def _embedder(plan: WorkerPlan) -> Any:
+    """The model's runner in this process: ONNX Runtime for an ``elmo onnx`` file (torch never imported), else the
+    runtime."""
+    if plan.model.onnx:
+        from elmo_core.serve.onnx_compute import OnnxEmbedder
+
+        return OnnxEmbedder(plan.model, plan.max_batch_tokens)
+    from elmo_core.serve.compute import BatchEmbedder
+
+    return BatchEmbedder(plan.model, plan.device, plan.precision, plan.precision_why, plan.max_batch_tokens)
+
+
 def worker_main(conn: Connection, plan: WorkerPlan) -> None:
     """A model process: load, warm up, say ready (or why not), then answer batches until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(WORKER_NICENESS)
     try:
-        from elmo_core.serve.compute import BatchEmbedder
-
         plan.model.check_unchanged()  # a restart must load the model the pool was planned with, or none
-        embedder = BatchEmbedder(plan.model, plan.device, plan.precision, plan.precision_why, plan.max_batch_tokens)
+        embedder = _embedder(plan)
         seconds = embedder.warm_up()
         conn.send(("ready", {**embedder.info(), "warm_up_seconds": round(seconds, 3)}))
     except Exception as exc:  # the model cannot load or run here: one line for the user, the server stops

@@ -1,0 +1,143 @@
+"""The unit a model process runs when the model is an ``elmo onnx`` file: one batch of sentences in one ONNX Runtime
+run, on the CPU, in float32, in a process that never imports torch (``elmo serve FILE.onnx``: a serving image
+needs neither torch nor the C kernels).
+
+The same contract as ``compute.BatchEmbedder`` (``warm_up``, ``info``, ``run``), and the same answers: a sentence's
+layers are the file's (equal to the runtime's within 1e-5, ``tests/test_onnx.py``), its mix γ·softmax(w)·layers
+and its mean over tokens computed here as the runtime's ``Output`` computes them, encoded by the same ``encode``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from elmo_core import cpu
+from elmo_core.runtime.reference import ModelRef
+from elmo_core.serve.api import Answer, Batch, Output
+from elmo_core.serve.encode import encode
+from elmo_core.text.chars import MAX_CHARS, tokens_to_char_array
+
+log = logging.getLogger(__name__)
+
+WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
+
+
+def char_ids(sentences: list[list[str]]) -> np.ndarray:
+    """(B, T, 50) int64, AllenNLP's ``batch_to_ids`` without torch: the file's input."""
+    ids = np.zeros((len(sentences), max(map(len, sentences)), MAX_CHARS), dtype=np.int64)
+    for row, sentence in enumerate(sentences):
+        if sentence:
+            ids[row, : len(sentence)] = tokens_to_char_array(sentence)
+    return ids
+
+
+def mix_factors(spec: Output, n_layers: int) -> np.ndarray:
+    """γ · softmax(w) (L+1,), the runtime's ``Output.factors``; no weights: the plain average."""
+    weights = np.zeros(n_layers) if spec.mix_weights is None else np.asarray(spec.mix_weights, dtype=np.float64)
+    if weights.shape != (n_layers,):
+        raise ValueError(f"mix_weights: {len(weights)} given, the model has {n_layers} layers")
+    exp = np.exp(weights - weights.max())
+    return (spec.gamma * exp / exp.sum()).astype(np.float32)
+
+
+def shaped(layers: np.ndarray, spec: Output) -> np.ndarray:
+    """One sentence's (L+1, n, 2P) as its request asked: every layer, the mix (n, 2P), or the mix's mean (2P,)."""
+    if spec.kind == "layers":
+        return layers
+    mix = (mix_factors(spec, layers.shape[0])[:, None, None] * layers).sum(0)
+    return mix if spec.kind == "mix" else mix.sum(0) / max(mix.shape[0], 1)
+
+
+PADDING = 1.25  # a run's padded tokens at most this many times its real ones (a run of one sentence has none)
+
+
+def similar_lengths(lengths: list[int]) -> list[list[int]]:
+    """The batch's sentences in runs of similar length, shortest first: the file computes every padded position
+    (the runtime packs them away), so one long sentence among short ones would multiply a run's work."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in order:
+        n = max(lengths[i], 1)
+        if groups and n * (len(groups[-1]) + 1) <= PADDING * (tokens + n):
+            groups[-1].append(i)
+            tokens += n
+        else:
+            groups.append([i])
+            tokens = n
+    return groups
+
+
+class OnnxEmbedder:
+    """One model process's ONNX Runtime session, opened and warmed once, then batch after batch."""
+
+    def __init__(self, model: ModelRef, max_batch_tokens: int) -> None:
+        import onnxruntime
+
+        self.model, self.max_batch_tokens = model, max_batch_tokens
+        options = onnxruntime.SessionOptions()
+        self.threads = cpu.thread_share() or os.cpu_count() or 1  # this process's share of the cores
+        options.intra_op_num_threads, options.inter_op_num_threads = self.threads, 1
+        self.session = onnxruntime.InferenceSession(str(model.options), options, providers=["CPUExecutionProvider"])
+        self.version = onnxruntime.__version__
+        self.n_layers = int(self.session.get_outputs()[0].shape[0])
+        self.width = int(self.session.get_outputs()[0].shape[-1])
+        log.info("%s", self.line())
+
+    def line(self) -> str:
+        return (
+            f"{self.model.line()}; ONNX Runtime {self.version}, CPU, fp32, {self.threads} threads, "
+            f"batches of at most {self.max_batch_tokens:,} tokens"
+        )
+
+    def warm_up(self) -> float:
+        started = time.perf_counter()
+        self.run(Batch(0, WARM_UP, [0, 0], [Output()]))
+        return time.perf_counter() - started
+
+    def info(self) -> dict[str, Any]:
+        """The runtime's facts (``Runtime.facts``), as this process has them."""
+        return {
+            "pid": os.getpid(),
+            "model": self.model.name,
+            "model_id": self.model.model_id,
+            "identity": self.model.identity(),
+            "origin": self.model.origin,
+            "device": "cpu",
+            "precision": "fp32",
+            "precision_why": "an ONNX file runs in ONNX Runtime's CPU provider, in float32",
+            "threads": self.threads,
+            "kernels": f"onnxruntime {self.version} CPU provider (torch not loaded)",
+            "layers": self.n_layers,
+            "dim": self.width,
+            "max_batch_tokens": self.max_batch_tokens,
+            "cpu": f"CPU {cpu.facts().line()}",  # (cpu.describe names torch's kernels: it would import torch)
+            "line": self.line(),
+        }
+
+    def run(self, batch: Batch) -> Answer:
+        """Every sentence of the batch in one run of the file, each answer shaped and encoded as its request asked."""
+        started = time.perf_counter()
+        n = len(batch.sentences)
+        shapes: list[tuple[int, ...]] = [()] * n
+        embeddings: list[bytes] = [b""] * n
+        if not batch.sentences:
+            return Answer(batch.id, shapes, embeddings, 0.0)
+        for group in similar_lengths([len(s) for s in batch.sentences]):
+            sentences = [batch.sentences[i] for i in group]
+            if any(sentences):
+                layers, _ = self.session.run(None, {"char_ids": char_ids(sentences)})
+            else:  # only empty sentences: nothing for the file to run
+                layers = np.zeros((self.n_layers, len(group), 0, self.width), dtype=np.float32)
+            for row, i in enumerate(group):
+                spec = batch.specs[batch.outputs[i]]
+                array = shaped(layers[:, row, : len(batch.sentences[i])], spec)
+                shapes[i] = array.shape
+                embeddings[i] = encode(array, spec)
+        distinct = len({token for sentence in batch.sentences for token in sentence})
+        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, distinct, distinct)
