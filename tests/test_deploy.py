@@ -9,6 +9,7 @@ import base64
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -203,3 +204,50 @@ def _answered(base: str) -> float:
     found = re.search(r'^elmo_requests_total\{endpoint="/embed",status="200"\} (\S+)$', text, re.M)
     assert found, 'elmo_requests_total{endpoint="/embed",status="200"} not in /metrics'
     return float(found.group(1))
+
+
+@pytest.mark.slow
+def test_the_onnx_image_serves_from_its_own_packages_alone(tmp_path: Path) -> None:
+    """deploy/Dockerfile.onnx's pip installs as written, into an empty venv: no torch (nor Arrow, MLflow, Prefect,
+    DuckDB) in it, and `elmo serve FILE.onnx` from it answers as the project's model does."""
+    import shlex
+    import sys
+
+    text = (DEPLOY / "Dockerfile.onnx").read_text()
+    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
+    for line in instructions:
+        if line.startswith("COPY ") and "${MODEL}" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), f"Dockerfile.onnx copies {source}, which the project does not have"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for line in instructions:
+        if line.startswith("RUN pip install "):
+            args = shlex.split(line.removeprefix("RUN pip install "))
+            done = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", *args], cwd=ROOT, capture_output=True)
+            assert done.returncode == 0, done.stderr[-2000:]
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
+    assert not installed & {"torch", "pyarrow", "mlflow", "prefect", "duckdb", "h5py"}, installed
+    exported = subprocess.run(
+        [sys.executable, "-m", "elmo_core.cli", "onnx", str(MODEL), "--out", str(tmp_path / "elmo.onnx")], cwd=ROOT
+    )
+    assert exported.returncode == 0
+    from tests.helpers import free_port, start_server, stop_group
+
+    port = free_port()
+    command = [str(venv / "bin" / "elmo"), "serve", str(tmp_path / "elmo.onnx"), "--port", str(port)]
+    server = start_server(command, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if httpx.get(f"{url}/ready").status_code == 200:
+                break
+            time.sleep(0.1)
+        body = {"sentences": [PROBES[0]], "output": "layers", "encoding": "base64"}
+        item = httpx.post(f"{url}/embed", json=body, timeout=60).json()["data"][0]
+    finally:
+        stop_group(server)
+    served = np.frombuffer(base64.b64decode(item["embedding"]), "<f4").reshape(item["shape"])
+    expected = BiLM.from_pretrained(str(MODEL)).embed_sentences([item["tokens"]])[0]
+    assert np.abs(served - expected).max() < 1e-5

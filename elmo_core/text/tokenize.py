@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from elmo_core.errors import ConfigError
+
+if TYPE_CHECKING:  # Arrow is imported where ingest splits a block: a torch-free server image has no Arrow
+    import pyarrow as pa
 
 TokenizerName = Literal["whitespace", "unicode", "chinese"]
 
@@ -43,6 +44,8 @@ def split_whitespace(texts: pa.StringArray, source: bytes | None = None) -> pa.L
     separators instead of a copy of the texts. Texts must be trimmed: Arrow turns a leading separator into
     a first token ``""``, and a text with no token into ``[""]``.
     """
+    import pyarrow.compute as pc
+
     if source is None:
         data = texts.buffers()[2]
         source = data.to_pybytes() if data is not None else b""
