@@ -256,3 +256,36 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
     finally:
         stop_group(torch_server)
         stop_group(onnx_server)
+
+
+def test_an_elmoformanylangs_release_is_exported_with_its_dictionaries(tmp_path, monkeypatch):
+    """A released folder (test_manylangs' random one, Chinese and over-long tokens among its sentences): the file
+    takes the model's own rows, carries the dictionaries that make them, and gives the runtime's layers; the
+    torch-free server reads them from it."""
+    import httpx
+
+    from elmo_core.serve.onnx_compute import char_ids
+    from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
+    from tests.test_manylangs import SENTENCES, SMALL, WORDS, write_release
+    from tests.test_serve import _ready, _serve
+
+    monkeypatch.setenv("ELMO_CACHE_DIR", str(tmp_path / "cache"))
+    release = write_release(tmp_path / "zhs.model", SMALL, WORDS)
+    _export(str(release), tmp_path / "zhs.onnx")
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "zhs.onnx"), providers=["CPUExecutionProvider"])
+    state = json.loads(session.get_modelmeta().custom_metadata_map[ONNX_METADATA_KEY])
+    sentences = [s for s in SENTENCES if s]
+    layers, mask = session.run(None, {"char_ids": char_ids(sentences, Dictionaries.from_state(state, "file"))})
+    expected = Runtime.open(str(release), device="cpu", precision="fp32").embed(sentences)
+    worst = max(float(np.abs(layers[:, i, : len(s)] - e).max()) for i, (s, e) in enumerate(zip(sentences, expected)))
+    assert worst < 1e-5 and mask.sum() == sum(map(len, sentences))
+    server, url = _serve(tmp_path, str(tmp_path / "zhs.onnx"))
+    try:
+        _ready(url)
+        body = {"sentences": [sentences[0]], "output": "layers", "encoding": "float"}
+        served = np.array(httpx.post(f"{url}/embed", json=body, timeout=60).json()["data"][0]["embedding"])
+    finally:
+        stop_group(server)
+    assert np.abs(served - expected[0]).max() < 1e-5

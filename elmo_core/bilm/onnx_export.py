@@ -22,17 +22,19 @@ exporter, the opset and the model's exact identity (``runtime.reference.ModelRef
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 import torch
 
 from elmo_core.bilm.model import BiLM
-from elmo_core.errors import ConfigError
+from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY
 
 OPSET = 17
 IR_VERSION = 8  # the IR of opset 17: files that older runtimes still open
 INPUT, LAYERS, MASK = "char_ids", "layers", "mask"
+DICTIONARIES = ONNX_METADATA_KEY  # an ELMoForManyLangs model's char.dic and word.dic (``Dictionaries.state``)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
@@ -90,9 +92,18 @@ def _token_encoder(g: _Graph, bilm: BiLM, ids: str) -> str:
     distinct word of the batch (``Unique`` rows, as the runtime's ``_distinct_chars``), then gathered per token."""
     encoder, cnn = bilm.token_encoder, bilm.token_encoder.char_cnn
     width = bilm.config.char_cnn.max_characters_per_token
-    flat = g.op("Reshape", [ids, g.const([-1, width])])
-    distinct, _, inverse, _ = g.op("Unique", [_content(g, flat, cnn.pad_id, cnn.max_width, width)], axis=0, outputs=4)
-    chars = g.op("Gather", [g.weight("char_embedding", _array(cnn.char_embedding.weight)), distinct])  # (U, C', D)
+    words = encoder.word_embedding is not None  # ELMoForManyLangs: each row's last id is the word's + 1
+    flat = g.op("Reshape", [ids, g.const([-1, width + words])])
+    rows = _content(
+        g, g.op("Slice", [flat, g.const([0]), g.const([width]), g.const([1])]), cnn.pad_id, cnn.max_width, width
+    )
+    if words:
+        rows = g.op(
+            "Concat", [rows, g.op("Slice", [flat, g.const([width]), g.const([width + 1]), g.const([1])])], axis=1
+        )
+    distinct, _, inverse, _ = g.op("Unique", [rows], axis=0, outputs=4)
+    spelled = g.op("Slice", [distinct, g.const([0]), g.const([-1]), g.const([1])]) if words else distinct
+    chars = g.op("Gather", [g.weight("char_embedding", _array(cnn.char_embedding.weight)), spelled])  # (U, C', D)
     x = g.op("Transpose", [chars], perm=[0, 2, 1])  # (N, D, C)
     activation = "Relu" if cnn.activation is torch.relu else "Tanh"
     pooled = []
@@ -118,6 +129,13 @@ def _token_encoder(g: _Graph, bilm: BiLM, ids: str) -> str:
         )
         kept = g.op("Mul", [g.op("Sub", [g.const(1.0, np.float32), gate]), h])
         h = g.op("Add", [g.op("Mul", [gate, g.op("Relu", [transform])]), kept])
+    if words and encoder.word_embedding.embedding_dim > 0:  # [word; highway(cnn)], as ``TokenEncoder``
+        word = g.op(
+            "Squeeze", [g.op("Slice", [distinct, g.const([-1]), g.const([width + 1]), g.const([1])]), g.const([1])]
+        )
+        row = g.op("Max", [g.op("Sub", [word, g.const(1)]), g.const(0)])
+        table = g.weight("word_embedding", _array(encoder.word_embedding.weight))
+        h = g.op("Concat", [g.op("Gather", [table, row]), h], axis=1)
     if encoder.projection is not None:
         weight, bias = _array(encoder.projection.weight), _array(encoder.projection.bias)
         h = g.op("Gemm", [h, g.weight("projection_w", weight), g.weight("projection_b", bias)], transB=1)
@@ -226,11 +244,6 @@ def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> An
     batch's)."""
     import onnx
 
-    if bilm.config.manylangs is not None:
-        raise ConfigError(
-            "an ELMoForManyLangs model spells its tokens with its own dictionaries, which the exported graph's "
-            "char_ids input (AllenNLP's batch_to_ids) does not carry: not exported"
-        )
     g = _Graph()
     ids, lengths, mask = _boundaries(g, INPUT, *(b.cpu().numpy().astype(np.int64) for b in bilm.boundary_char_ids))
     e = _token_encoder(g, bilm, ids)
@@ -261,7 +274,7 @@ def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> An
         "elmo_bilm",
         [
             g.helper.make_tensor_value_info(
-                INPUT, onnx.TensorProto.INT64, ["batch", "tokens", bilm.config.char_cnn.max_characters_per_token]
+                INPUT, onnx.TensorProto.INT64, ["batch", "tokens", bilm.boundary_char_ids.shape[-1]]
             )
         ],
         [
@@ -273,6 +286,8 @@ def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> An
     model = g.helper.make_model(graph, opset_imports=[g.helper.make_opsetid("", OPSET)], producer_name="elmo-pipeline")
     model.ir_version = IR_VERSION
     props = {**metadata, "elmo.opset": str(OPSET), "elmo.config": bilm.config.model_dump_json()}
+    if bilm.dictionaries is not None:  # the rows char_ids holds are the model's own: its dictionaries travel with it
+        props[DICTIONARIES] = json.dumps(bilm.dictionaries.state(), ensure_ascii=False)
     g.helper.set_model_props(model, props)
     onnx.checker.check_model(model)
     return model

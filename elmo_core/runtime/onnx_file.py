@@ -44,12 +44,13 @@ class OnnxFile:
     model: ModelRef
     file_bytes: int
     parameter_bytes: int
+    input_width: int = 50  # a ManyLangs model's file takes its own rows: its chars, then the word
 
     def line(self) -> str:
         ratio = self.file_bytes / max(self.parameter_bytes, 1)
         return (
             f"onnx: {self.model.exact} -> {self.path} ({format_bytes(self.file_bytes)}, {ratio:.3f}x its float32 "
-            f"parameters; opset {OPSET}; input char_ids (batch, tokens, 50), outputs layers and mask)"
+            f"parameters; opset {OPSET}; input char_ids (batch, tokens, {self.input_width}), outputs layers and mask)"
         )
 
 
@@ -98,7 +99,8 @@ def export_onnx(config: OnnxConfig) -> OnnxFile:
             (tmp / "1").mkdir()
             onnx.save(model, str(tmp / "1" / "model.onnx"))
             (tmp / "config.pbtxt").write_text(triton_config(triton.name, bilm, ref))
-    exported = OnnxFile(out, ref, out.stat().st_size, parameter_bytes(bilm))
+    width = int(bilm.boundary_char_ids.shape[-1])
+    exported = OnnxFile(out, ref, out.stat().st_size, parameter_bytes(bilm), width)
     log.info("%s", exported.line())
     return exported
 

@@ -9,6 +9,7 @@ and its mean over tokens computed here as the runtime's ``Output`` computes them
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -21,18 +22,21 @@ from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch, Output
 from elmo_core.serve.encode import encode
 from elmo_core.text.chars import MAX_CHARS, tokens_to_char_array
+from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
 
 log = logging.getLogger(__name__)
 
 WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
 
 
-def char_ids(sentences: list[list[str]]) -> np.ndarray:
-    """(B, T, 50) int64, AllenNLP's ``batch_to_ids`` without torch: the file's input."""
-    ids = np.zeros((len(sentences), max(map(len, sentences)), MAX_CHARS), dtype=np.int64)
+def char_ids(sentences: list[list[str]], dictionaries: Dictionaries | None = None) -> np.ndarray:
+    """(B, T, 50) int64, AllenNLP's ``batch_to_ids`` without torch: the file's input; a ManyLangs model's file takes
+    the rows of its own dictionaries (B, T, 51), which it carries."""
+    width = dictionaries.width if dictionaries is not None else MAX_CHARS
+    ids = np.zeros((len(sentences), max(map(len, sentences)), width), dtype=np.int64)
     for row, sentence in enumerate(sentences):
         if sentence:
-            ids[row, : len(sentence)] = tokens_to_char_array(sentence)
+            ids[row, : len(sentence)] = dictionaries.rows(sentence) if dictionaries else tokens_to_char_array(sentence)
     return ids
 
 
@@ -85,6 +89,8 @@ class OnnxEmbedder:
         options.intra_op_num_threads, options.inter_op_num_threads = self.threads, 1
         self.session = onnxruntime.InferenceSession(str(model.options), options, providers=["CPUExecutionProvider"])
         self.version = onnxruntime.__version__
+        carried = self.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
+        self.dictionaries = Dictionaries.from_state(json.loads(carried), str(model.options)) if carried else None
         self.n_layers = int(self.session.get_outputs()[0].shape[0])
         self.width = int(self.session.get_outputs()[0].shape[-1])
         log.info("%s", self.line())
@@ -131,7 +137,7 @@ class OnnxEmbedder:
         for group in similar_lengths([len(s) for s in batch.sentences]):
             sentences = [batch.sentences[i] for i in group]
             if any(sentences):
-                layers, _ = self.session.run(None, {"char_ids": char_ids(sentences)})
+                layers, _ = self.session.run(None, {"char_ids": char_ids(sentences, self.dictionaries)})
             else:  # only empty sentences: nothing for the file to run
                 layers = np.zeros((self.n_layers, len(group), 0, self.width), dtype=np.float32)
             for row, i in enumerate(group):

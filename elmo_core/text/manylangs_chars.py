@@ -106,6 +106,9 @@ def _require(entries: dict[str, int], names: Sequence[str], source: str) -> None
         raise InputError(f"{source}: no {', '.join(missing)} entry; their loader needs {', '.join(names)}")
 
 
+ONNX_METADATA_KEY = "elmo.manylangs"  # where an ONNX file of a ManyLangs model keeps ``Dictionaries.state()`` as JSON
+
+
 @dataclass
 class Dictionaries:
     """A model's character and word dictionaries (``words`` None: a model without a word embedding), and the rows

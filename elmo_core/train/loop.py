@@ -437,7 +437,7 @@ def finish(run: Run) -> TrainResult:
         run.tracker.log_metrics({"exported_step": exported_step}, run.step)
         run.bilm.token_encoder = getattr(run.bilm.token_encoder, "_orig_mod", run.bilm.token_encoder)  # undo compile
         run.bilm.save_pretrained(str(model_dir))  # replaces the folder whole (written beside it, then renamed)
-        if run.config.tracking == "mlflow" and run.bilm.config.manylangs is None:
+        if run.config.tracking == "mlflow":
             write_beside(run.bilm, model_dir)  # OUT/model.onnx, which the MLflow model carries too
         exported = {**perplexity, "step": exported_step} if perplexity else {}
         write_text_atomic(run.out / "perplexity.json", json.dumps(exported, indent=2) + "\n")
