@@ -289,3 +289,18 @@ def test_an_elmoformanylangs_release_is_exported_with_its_dictionaries(tmp_path,
     finally:
         stop_group(server)
     assert np.abs(served - expected[0]).max() < 1e-5
+
+
+def test_other_commands_refuse_the_file_in_one_line_naming_its_model(tmp_path, allennlp_dir):
+    """The file is for ONNX Runtime: `elmo embed` (a job's plan) and `elmo onnx` (nothing to export) say so, naming
+    the model it came from; nothing is written."""
+    _export(str(allennlp_dir), tmp_path / "m.onnx")
+    (tmp_path / "in.txt").write_text("a sentence .\n")
+    embed = run_elmo(
+        "embed", "--model", str(tmp_path / "m.onnx"), "--input", str(tmp_path / "in.txt"), "--out", str(tmp_path / "t")
+    )
+    again = run_elmo("onnx", str(tmp_path / "m.onnx"), "--out", str(tmp_path / "n.onnx"))
+    for done in (embed, again):
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+        assert str(allennlp_dir.resolve()) in done.stderr
+    assert not (tmp_path / "t").exists() and not (tmp_path / "n.onnx").exists()

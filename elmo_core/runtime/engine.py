@@ -39,6 +39,7 @@ from elmo_core.bilm.inference import (
 from elmo_core.bilm.model import BiLM
 from elmo_core.config import ModelConfig
 from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION
+from elmo_core.errors import ConfigError
 from elmo_core.runtime.output import ALL_LAYERS, Output
 from elmo_core.runtime.placement import Placement, place, take_threads
 from elmo_core.runtime.reference import ModelRef, resolve_model
@@ -114,6 +115,11 @@ class Runtime:
         ``precision`` are resolved here; ``max_batch_tokens`` None: ``token_budget`` of the device. Logs ``line()``,
         the line every command that runs a model prints."""
         ref = model if isinstance(model, ModelRef) else resolve_model(model, weight_file)
+        if ref.onnx:  # the file holds a graph, not the weights a runtime loads
+            raise ConfigError(
+                f"{ref.asked}: an ONNX file runs in ONNX Runtime (`elmo serve FILE.onnx`, docs/onnx.md); for this "
+                f"command give the model it was exported from ({ref.exported_from})"
+            )
         placement = placement if placement is not None else place(device, precision)
         taken = take_threads(threads)
         heap.keep_large_buffers()  # a pass's buffers reused, not page-faulted in again each time

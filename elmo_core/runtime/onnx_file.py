@@ -81,6 +81,8 @@ def export_onnx(config: OnnxConfig) -> OnnxFile:
     registered = REGISTERED.match(config.model)
     out, triton = _target(config, registered["name"] if registered else None)
     ref = resolve_model(config.model)
+    if ref.onnx:
+        raise ConfigError(f"{config.model}: already an ONNX file; export the model it came from ({ref.exported_from})")
     bilm = BiLM.from_pretrained(str(ref.options), str(ref.weights), vocab_file=str(ref.vocab) if ref.vocab else None)
     metadata = {
         "elmo.model": ref.exact,

@@ -88,6 +88,13 @@ class ModelRef:
             return str(onnx_metadata(self.options, *_stamp(self.options)).get("elmo.model_id", "unknown"))
         return _content_id(self.options, self.weights, *_stamp(self.options), *_stamp(self.weights))
 
+    @property
+    def exported_from(self) -> str:
+        """An ONNX file's source model as its metadata names it (``elmo.model``); any other model is its own."""
+        if self.onnx:
+            return onnx_metadata(self.options, *_stamp(self.options))["elmo.model"]
+        return self.exact or self.asked
+
     def network(self) -> dict:
         """The network's shape as options.json has it (an ONNX file keeps it in its metadata, ``elmo.config``)."""
         if self.onnx:
@@ -358,6 +365,11 @@ def lookup_model(reference: str, weight_file: str | None = None) -> ModelLookup:
             missing = f"an ELMoForManyLangs release, converted once into {entry}"
             return ModelLookup(reference, str(path.resolve()), None, missing, weight_file=weight_file)
     ref = resolve_model(reference, weight_file)  # a folder, published files, a converted release: read only
+    if ref.onnx:  # a graph for ONNX Runtime, not weights: only the server runs it
+        raise InputError(
+            f"{reference}: an ONNX file runs in ONNX Runtime (`elmo serve FILE.onnx`, docs/onnx.md); for this "
+            f"command give the model it was exported from ({ref.exported_from})"
+        )
     return ModelLookup(ref.asked, ref.exact or ref.asked, ref, registered=ref.registered, version=ref.version)
 
 
