@@ -31,11 +31,14 @@ Read it in the order data flows, text → Parquet → DuckDB vocab → batches �
                save/restore, finish), evaluation, DDP
     launch     training on several processes: torch.distributed.run started and owned by the train stage
     embed      embedding jobs → a Parquet dataset of token/sentence vectors, one job per folder
+    tables     a table that follows a model: a version per model version, switched atomically (``elmo refresh``)
     probe      what each layer is worth: word-sense 1-NN and a linear tagging probe
     ann        the nearest-neighbour index beside an embedding table (faiss shards, exact re-ranking, a key map)
     query      nearest-neighbour queries over embedding tables: through the index, else a DuckDB scan
     corpus     the default corpus (Python's pydoc topics)
     mlflow_model  an exported model as an MLflow pyfunc model
+    promote    ``@champion`` by evidence; ``lineage`` a training's data as MLflow datasets
+    onnx_export, onnx_file  the biLM as one ONNX file (``elmo onnx``), which ``elmo serve`` runs without torch
     allennlp/  the drop-in for AllenNLP's ELMo: Elmo, ElmoEmbedder, their state-dict keys, install()
     cli        the ``elmo`` command, its flags generated from ``options``
 
@@ -43,7 +46,7 @@ Plumbing below all of them: ``errors`` (one-line user errors), ``cpu`` (what thi
 ``ELMO_CPU_ISA=avx2`` override, applied here before torch is imported), ``fileio`` (atomic writes, digests),
 ``progress`` (bars, ETA, sinks such as the Prefect UI), ``precision`` (the device; fp32, bf16, or int8 for CPU
 inference), ``ranks`` (which process of a torchrun launch this is), ``tracking`` (MLflow behind a small
-interface: runs, metrics, model URIs).
+interface: runs, metrics, model URIs), ``events`` (Prefect behind one function: a promotion announced).
 ``tests/test_layering.py`` keeps every import pointing down this list. Importing the package loads nothing but
 ``cpu``; ``BiLM`` and ``batch_to_ids`` load torch and the model on first use, never DuckDB, pyarrow, Prefect or
 MLflow.
