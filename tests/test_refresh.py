@@ -126,7 +126,8 @@ def test_promotions_refresh_the_table_by_trigger_alone(prefect_server, tmp_path,
         v1 = table / "versions" / f"{NAME}-v1"
         header = json.loads((v1 / "_index" / "elmo" / "index.json").read_text())
         assert header["model_version"] == f"models:/{NAME}/1" and header["input_digest"] == pointer["input_digest"]
-        tokens = duckdb.execute(f"SELECT sum(n_tokens) FROM read_parquet('{corpus}/part-*.parquet')").fetchone()[0]
+        query = f"SELECT sum(n_tokens) FROM read_parquet('{corpus}/part-*.parquet')"
+        tokens = duckdb.connect().execute(query).fetchall()[0][0]  # a connection of its own, read to its end
 
         # 2. a better version: a second table version, switched to under a reader that never sees a mix
         stop = tmp_path / "stop-reading"
