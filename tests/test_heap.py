@@ -62,6 +62,7 @@ def pass_faults(model: Path, heap: str | None) -> tuple[list[int], str]:
     return found["faults"], found["arrow"]
 
 
+@pytest.mark.slow  # two processes running five passes each
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc is what the heap module sets")
 def test_a_process_running_a_model_reuses_its_large_buffers(small_model):
     """With glibc's defaults every pass maps its largest buffers fresh and faults every page in again (the

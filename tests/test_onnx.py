@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from elmo_core.allennlp import batch_to_ids
@@ -29,6 +30,7 @@ from tests.test_precision import _real_text
 RUNNER = """
 import json, sys
 import numpy as np
+import pytest
 import onnxruntime as ort
 cases = json.loads(open(sys.argv[1]).read())
 for case in cases:
@@ -119,6 +121,7 @@ def test_the_file_gives_the_runtimes_layers_without_torch(tmp_path, allennlp_dir
         assert found[name]["meta"]["elmo.model"] == str(Path(folder).resolve()) and found[name]["meta"]["elmo.opset"]
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_each_weight_is_stored_once(tmp_path):
     """At the published small shape (13.6M parameters without the softmax): the file within 1.10x their bytes."""
     torch.manual_seed(0)
@@ -130,6 +133,7 @@ def test_each_weight_is_stored_once(tmp_path):
     assert weights > 40e6  # the softmax-free parameters of the small shape, not a fixture's
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_a_registered_version_is_exported_under_its_exact_name(tmp_path, allennlp_dir, store):  # noqa: F811
     exact = register(allennlp_dir, "onnxed")
     done = run_elmo("onnx", "models:/onnxed@champion", "--out", str(tmp_path / "x.onnx"), env=store)
@@ -143,6 +147,7 @@ def test_a_registered_version_is_exported_under_its_exact_name(tmp_path, allennl
     assert meta["elmo.model"] == exact and json.loads(meta["elmo.identity"])["version"] == "1"
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_bad_requests_are_one_line_and_leave_nothing(tmp_path, allennlp_dir):
     out = tmp_path / "m.onnx"
     out.write_bytes(b"a file of the user's")
@@ -156,6 +161,7 @@ def test_bad_requests_are_one_line_and_leave_nothing(tmp_path, allennlp_dir):
     assert replaced.returncode == 0 and out.read_bytes()[:2] != b"a "
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_a_full_disk_leaves_no_file(tmp_path, allennlp_dir):
     """On a real small filesystem: refused before writing where the file cannot fit; a write that runs out of room
     part way (no entry left for the file) is the one line of a full disk; neither leaves a file or a temporary."""
@@ -172,6 +178,7 @@ def test_a_full_disk_leaves_no_file(tmp_path, allennlp_dir):
         assert run_elmo("onnx", str(allennlp_dir), "--out", str(disk / "m.onnx")).returncode == 0
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_a_triton_repository_whose_config_tritons_protobuf_parses(tmp_path, allennlp_dir):
     """``--triton DIR``: DIR/elmo/config.pbtxt parsed by Triton's own ModelConfig message (tritonclient), its
     tensors those of DIR/elmo/1/model.onnx less the batch dimension, which comes first in every tensor there (as
@@ -213,6 +220,7 @@ def test_the_docs_python_example_runs_without_torch(tmp_path, allennlp_dir):
     assert np.array_equal(np.load(tmp_path / "ids.npy"), batch_to_ids([["Apple", "Ünïcode"]]).numpy())
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
     """`elmo serve FILE.onnx` beside `elmo serve FOLDER`: /embed (every layer, the mix with weights, the mean, in
     base64) and /v1/embeddings equal within 1e-5, the same model id named; its model process never maps torch."""
@@ -258,6 +266,7 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
         stop_group(onnx_server)
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_an_elmoformanylangs_release_is_exported_with_its_dictionaries(tmp_path, monkeypatch):
     """A released folder (test_manylangs' random one, Chinese and over-long tokens among its sentences): the file
     takes the model's own rows, carries the dictionaries that make them, and gives the runtime's layers; the
@@ -291,6 +300,7 @@ def test_an_elmoformanylangs_release_is_exported_with_its_dictionaries(tmp_path,
     assert np.abs(served - expected[0]).max() < 1e-5
 
 
+@pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
 def test_other_commands_refuse_the_file_in_one_line_naming_its_model(tmp_path, allennlp_dir):
     """The file is for ONNX Runtime: `elmo embed` (a job's plan) and `elmo onnx` (nothing to export) say so, naming
     the model it came from; nothing is written."""
