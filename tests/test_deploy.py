@@ -108,13 +108,21 @@ def test_deployment_runs_the_server_its_probes_and_autoscaler_expect() -> None:
     assert int(metric["pods"]["target"]["averageValue"]) < config.max_queue_tokens, "scales before clients get 429"
 
 
-def test_dockerfile_copies_what_exists_and_runs_the_deployments_command() -> None:
-    text = (DEPLOY / "Dockerfile").read_text()
-    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
+def _instructions(dockerfile: Path) -> list[str]:
+    """A Dockerfile's instructions, continuation lines joined, after checking that every file it COPYs (but the
+    model, a build argument) is in the project."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    instructions = [line for line in text.splitlines() if line and not line.startswith("#")]
     for line in instructions:
         if line.startswith("COPY ") and "${MODEL}" not in line:
             for source in line.split()[1:-1]:
-                assert (ROOT / source).exists(), f"the Dockerfile copies {source}, which the project does not have"
+                assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which the project does not have"
+    return instructions
+
+
+def test_dockerfile_copies_what_exists_and_runs_the_deployments_command() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    instructions = _instructions(DEPLOY / "Dockerfile")
     setup_torch = re.search(r"ELMO_TORCH_VERSION:-([\d.]+)", (ROOT / "scripts" / "setup.sh").read_text()).group(1)
     assert f"torch=={setup_torch} " in text, "the image's torch is the one scripts/setup.sh installs"
     assert re.search(r"^ARG MODEL=data/export$", text, re.M), "the main job's export folder"
@@ -213,12 +221,7 @@ def test_the_onnx_image_serves_from_its_own_packages_alone(tmp_path: Path) -> No
     import shlex
     import sys
 
-    text = (DEPLOY / "Dockerfile.onnx").read_text()
-    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
-    for line in instructions:
-        if line.startswith("COPY ") and "${MODEL}" not in line:
-            for source in line.split()[1:-1]:
-                assert (ROOT / source).exists(), f"Dockerfile.onnx copies {source}, which the project does not have"
+    instructions = _instructions(DEPLOY / "Dockerfile.onnx")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     for line in instructions:

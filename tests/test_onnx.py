@@ -24,7 +24,7 @@ from elmo_core.runtime.onnx_file import parameter_bytes
 from tests.helpers import ROOT, run_elmo, stop_group
 from tests.test_disk_full import assert_disk_full_line, assert_refused, fill, leftovers, limit_entries, tmpfs
 from tests.test_model_versions import register, store  # noqa: F401
-from tests.test_precision import _real_text
+from tests.test_precision import _real_text, clip_heavy
 
 # runs each case's batch through its file: onnxruntime and numpy only
 RUNNER = """
@@ -88,15 +88,7 @@ def _check(found: dict, expected: list[np.ndarray], tolerance: float = 1e-5) -> 
 
 def _clip_heavy(allennlp_dir: Path, folder: Path) -> Path:
     """The fixture with forget and input gates pushed open (test_precision's weights): a fifth of the cells clip."""
-    bilm = BiLM.from_pretrained(str(allennlp_dir))
-    with torch.no_grad():
-        for lstm in bilm.lstm.all_layers():
-            h = lstm.hidden_size
-            lstm.bias_ih_l0[h : 2 * h] += 2.0
-            lstm.bias_ih_l0[:h] += 1.0
-            lstm.weight_ih_l0[2 * h : 3 * h] *= 3
-            lstm.weight_hh_l0[2 * h : 3 * h] *= 3
-    bilm.save_pretrained(str(folder))
+    clip_heavy(BiLM.from_pretrained(str(allennlp_dir))).save_pretrained(str(folder))
     return folder
 
 
