@@ -330,7 +330,7 @@ def worker(out: Path, corpus: str, recipe: str, budget: float) -> None:
     for mark in marks:
         while (spent := clock.spent()) < mark * 60:
             trainer.step(spent / 60)
-        with clock.pause():  # evaluations and checkpoints off the clock, as the trainer's budget counts them
+        with clock.pause():  # the table's points: evaluations and checkpoints off the clock (the trainer counts them)
             perplexity = trainer.evaluate()
             done["cpu_s"] = clock.spent()
             done["points"].append({"cpu_minutes": mark, "step": trainer.step_count, "perplexity": perplexity})

@@ -1,11 +1,13 @@
-"""Training on several processes: the process group, gathering one object per rank, and the check that every
-replica holds the same weights."""
+"""Training on several processes: the process group, gathering one object per rank, values every rank agrees on
+(the budget's share, a stop), and the check that every replica holds the same weights."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,3 +54,37 @@ def check_replicas_agree(bilm: BiLM, ddp: Rank, out: Path) -> None:
         write_text_atomic(out / "ddp_weights.json", json.dumps(digests) + "\n")
         if len(set(digests)) != 1:
             raise ElmoError(f"DDP replicas diverged: weight digests {digests}")
+
+
+def agreed(ddp: Rank, device: torch.device, flag: bool) -> bool:
+    """``flag`` on any rank: every rank stops at the same step."""
+    return agreed_max(ddp, device, float(flag)) > 0.0
+
+
+def agreed_max(ddp: Rank, device: torch.device, value: float) -> float:
+    """The largest of every rank's ``value`` (one small all-reduce per call under DDP)."""
+    if ddp.world == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+class StopRequest:
+    """SIGTERM to a rank of a launch (``launch.py``) asks it to stop: every rank stops at the same step (the flag is
+    all-reduced each step), after a checkpoint. Active only in a launched rank's main thread."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.active = this_process().launched and threading.current_thread() is threading.main_thread()
+        self._previous = signal.signal(signal.SIGTERM, self._ask) if self.active else None
+
+    def _ask(self, *_: object) -> None:
+        self.asked = True
+
+    def agreed(self, ddp: Rank, device: torch.device) -> bool:
+        return self.active and agreed(ddp, device, self.asked)
+
+    def restore(self) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, self._previous)

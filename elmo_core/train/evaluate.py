@@ -49,9 +49,7 @@ def evaluate(
     bilm.eval()
     objective = LMObjective(bilm, 0.0, False)
     device = bilm.device
-    files = sorted(Path(token_id_dir).glob("part-*.parquet"))
     rows = heldout_rows(token_id_dir, batch_size)
-    n_tokens = sum(num_tokens(f) for f in files)
     batcher = LMBatcher(token_id_dir, rows, unroll_steps, shuffle=False, loop=False)
     total_f = total_b = unigram = 0.0
     tokens = batches = 0
@@ -59,8 +57,9 @@ def evaluate(
     log_p = None
     if unigram_counts is not None:
         log_p = np.log((unigram_counts + 1.0) / (unigram_counts.sum() + len(unigram_counts)))
-    expected = n_tokens // (rows * unroll_steps)
-    with track("evaluate", min(expected, max_batches or expected) or None, "batches") as progress:
+    with track(
+        "evaluate", heldout_windows(token_id_dir, batch_size, unroll_steps, max_batches) or None, "batches"
+    ) as progress:
         for batch in batcher:
             loss_f, loss_b, state = _full_softmax_losses(objective, batch, state, device)
             total_f, total_b = total_f + loss_f, total_b + loss_b
@@ -133,6 +132,17 @@ def heldout_rows(token_id_dir: str | Path, batch_size: int = 64) -> int:
     if n_sentences == 0:
         raise InputError(f"{token_id_dir}: no heldout sentences to evaluate on")
     return max(1, min(batch_size, n_sentences // 4))
+
+
+def heldout_windows(
+    token_id_dir: str | Path, batch_size: int = 64, unroll_steps: int = UNROLL_STEPS, max_batches: int | None = None
+) -> int:
+    """How many windows an evaluation of ``token_id_dir`` runs: what its progress counts, and what a budget scales a
+    probe of two windows by to know the evaluation's cost before it runs."""
+    rows = heldout_rows(token_id_dir, batch_size)
+    n_tokens = sum(num_tokens(f) for f in sorted(Path(token_id_dir).glob("part-*.parquet")))
+    expected = n_tokens // (rows * unroll_steps)
+    return min(expected, max_batches or expected)
 
 
 def num_rows(path: Path) -> int:

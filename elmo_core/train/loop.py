@@ -24,8 +24,6 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,14 +58,15 @@ from elmo_core.tracking import (
     Tracker,
     check_reachable,
 )
+from elmo_core.train.budget import now
 from elmo_core.train.checkpoint import (
     BestWeights,
     Checkpoint,
     checkpoint_dir,
     load_newest_valid,
 )
-from elmo_core.train.ddp import check_replicas_agree, gather, init_distributed
-from elmo_core.train.evaluate import describe_perplexity, evaluate, num_rows
+from elmo_core.train.ddp import StopRequest, agreed_max, check_replicas_agree, gather, init_distributed
+from elmo_core.train.evaluate import describe_perplexity, evaluate, heldout_windows, num_rows
 from elmo_core.train.export import latest_checkpoint
 from elmo_core.train.lineage import facts as dataset_facts
 from elmo_core.train.lineage import split_dataset
@@ -374,10 +373,18 @@ def log_metrics(run: Run, record: dict[str, float], tokens_per_s: float) -> None
     run.history.append({"step": run.step, **metrics})
 
 
-def evaluate_heldout(run: Run) -> dict[str, float]:
-    """Heldout perplexity (rank 0), logged as ``heldout_*`` metrics; {} without a heldout split."""
+def _heldout(run: Run) -> Path | None:
+    """The heldout split rank 0 evaluates on; None on other ranks and without one."""
     heldout = run.data / "token_ids" / "heldout"
     if not run.ddp.main or not heldout.exists() or not any(num_rows(f) for f in heldout.glob("part-*.parquet")):
+        return None
+    return heldout
+
+
+def evaluate_heldout(run: Run) -> dict[str, float]:
+    """Heldout perplexity (rank 0), logged as ``heldout_*`` metrics; {} without a heldout split."""
+    heldout = _heldout(run)
+    if heldout is None:
         return {}
     config = run.config
     result = evaluate(
@@ -392,6 +399,37 @@ def evaluate_heldout(run: Run) -> dict[str, float]:
     run.heldout = result
     log.info("step %d %s", run.step, describe_perplexity(result))
     return result
+
+
+PROBE_MARGIN = 1.25  # a probe's ten windows come from the split's start: a full pass ran up to a fifth slower here
+
+
+def probe_evaluation(run: Run) -> None:
+    """Under a budget (rank 0): the final evaluation's cost, known before the first step so that the budget holds it
+    back from the start (``Budget.measure``; each full evaluation's own time replaces it): two heldout windows timed,
+    then ten, their difference the pace of a window once warm."""
+    heldout = _heldout(run)
+    if run.budget.seconds is None or heldout is None:
+        return
+    config = run.config
+    windows = heldout_windows(heldout, config.eval_batch_size, config.unroll_steps, config.eval_max_batches)
+    seconds = []
+    for probe in (2, 10):
+        with run.budget.measure("evaluation"):
+            evaluate(
+                run.bilm,
+                heldout,
+                batch_size=config.eval_batch_size,
+                unroll_steps=config.unroll_steps,
+                max_batches=probe,
+            )
+        seconds.append(run.budget.costs["evaluation"])
+    per_window = max(seconds[1] - seconds[0], 0.0) / 8
+    run.budget.costs["evaluation"] = PROBE_MARGIN * (seconds[0] + per_window * max(windows - 2, 0))
+    line = f"the final evaluation will take about {run.budget.costs['evaluation']:.1f} s ({windows} windows)"
+    if run.budget.costs["evaluation"] > 0.5 * run.budget.seconds:
+        line += ": over half the budget; a smaller heldout split (or a larger budget) leaves the training more"
+    log.info("%s; the budget holds it back", line)
 
 
 def keep_if_best(run: Run, result: dict[str, float]) -> None:
@@ -431,6 +469,8 @@ def finish(run: Run) -> TrainResult:
     if run.ddp.world > 1:
         check_replicas_agree(run.bilm, run.ddp, run.out)
     perplexity = evaluate_heldout(run)
+    if run.budget.seconds is not None and run.ddp.main:
+        log.info("the training's part of the budget ends at %.1f s; exporting", run.budget.spent())
     model_dir, model_uri, exported_step = run.out / "model", None, run.step
     if run.ddp.main:
         exported_step, perplexity = _exported(run, perplexity)
@@ -467,13 +507,14 @@ LOCK_NAME = ".train.lock"  # in the run folder: one training writes it at a time
 def train(config: TrainConfig, tracker: Tracker | None = None, plan: TrainingPlan | None = None) -> TrainResult:
     """Run (or resume) a training, as ``plan`` decided it where one is given (``setup``); returns the final
     perplexity and where the exported model is."""
+    began = {clock: now(clock) for clock in ("wall", "cpu")}  # a budget counts the job's time from here
     lock = None
     if this_process().main:  # under torchrun only rank 0 writes the folder and logs
         if config.tracking == "mlflow" and tracker is None:
             check_reachable(config.tracking_uri)  # in seconds, before any work
         lock = FolderLock(Path(config.out) / LOCK_NAME, config.out, wait=config.wait).acquire()
     try:
-        return _train(config, tracker, plan)
+        return _train(config, tracker, plan, began)
     finally:
         if lock is not None:
             lock.release()
@@ -484,52 +525,21 @@ def _budget_spent(run: Run) -> bool:
     every rank (the largest), so every rank steps with the same rate and stops at the same step."""
     if run.budget.seconds is None:
         return False
-    run.budget_spent = _agreed_max(run, run.budget.share_spent())
+    run.budget_spent = agreed_max(run.ddp, run.device, run.budget.share_spent())
     return run.budget.exhausted(run.budget_spent)
 
 
-def _agreed(run: Run, flag: bool) -> bool:
-    """``flag`` on any rank: every rank stops at the same step."""
-    return _agreed_max(run, float(flag)) > 0.0
-
-
-def _agreed_max(run: Run, value: float) -> float:
-    """The largest of every rank's ``value`` (one small all-reduce per call under DDP)."""
-    if run.ddp.world == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float32, device=run.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-class _StopRequest:
-    """SIGTERM to a rank of a launch (``launch.py``) asks it to stop: every rank stops at the same step (the flag is
-    all-reduced each step), after a checkpoint. Active only in a launched rank's main thread."""
-
-    def __init__(self) -> None:
-        self.asked = False
-        self.active = this_process().launched and threading.current_thread() is threading.main_thread()
-        self._previous = signal.signal(signal.SIGTERM, self._ask) if self.active else None
-
-    def _ask(self, *_: object) -> None:
-        self.asked = True
-
-    def agreed(self, run: Run) -> bool:
-        return self.active and _agreed(run, self.asked)
-
-    def restore(self) -> None:
-        if self.active:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def _train(config: TrainConfig, tracker: Tracker | None, plan: TrainingPlan | None) -> TrainResult:
+def _train(
+    config: TrainConfig, tracker: Tracker | None, plan: TrainingPlan | None, began: dict[str, float]
+) -> TrainResult:
     run = setup(config, tracker, plan)
     status = "FAILED"
-    stop = _StopRequest()
+    stop = StopRequest()
     try:
         if run.ddp.main and config.budget is not None:
             log.info("%s", run.budget.line(torch.get_num_threads(), table_measured()))
-        run.budget.start()
+        run.budget.start(began[run.budget.clock])
+        probe_evaluation(run)
         total, unit, done = _progress_of(run)
         with track("train", total, unit, done=done()) as progress:
             rate = TokenRate(run.tokens_per_step)
@@ -540,12 +550,13 @@ def _train(config: TrainConfig, tracker: Tracker | None, plan: TrainingPlan | No
                     progress.update(done(), f"step {run.step:,}, loss {run.loss:.3f}, {rate.rate():,.0f} tok/s")
                     if run.ddp.main and (run.step % config.log_every == 0 or run.step == run.total_steps):
                         log_metrics(run, record, rate.rate(reset=True))
-                with run.budget.pause():  # off the clock, as the recipe table's runs were measured
-                    if run.step % run.steps_per_epoch == 0 and _steps_left(run):
+                if run.step % run.steps_per_epoch == 0 and _steps_left(run) and run.budget.allows_evaluation():
+                    with run.budget.measure("evaluation", between_epochs=True):
                         keep_if_best(run, evaluate_heldout(run))
-                    if run.step % config.checkpoint_every == 0 and _steps_left(run):
+                if run.step % config.checkpoint_every == 0 and _steps_left(run):
+                    with run.budget.measure("checkpoint"):
                         save(run)
-                if stop.agreed(run):
+                if stop.agreed(run.ddp, run.device):
                     path = save(run)
                     raise TrainingStopped(f"stopped at step {run.step} on request; checkpoint {path}; rerun to resume")
         if _steps_left(run) and run.ddp.main:
