@@ -342,6 +342,7 @@ class EmbedOptions(Options):
     )
     gamma: float = Field(1.0, description="scalar-mix scale")
     dtype: Literal["float32", "float16"] = Field("float32", description="storage type of the vectors")
+    compression: Literal["none", "zstd", "lz4", "snappy"] = Field("none", description="of the vector columns")
     pool: Literal["none", "mean"] = Field("none", description="none: one row per token; mean: one row per sentence")
     split: Literal["all", "train", "heldout", "test"] = Field("all", description="which split of an ingested dataset")
     tokenizer: TokenizerName = Field("whitespace", description="how text input is tokenized (as ingest does)")
@@ -351,9 +352,7 @@ class EmbedOptions(Options):
     unit_tokens: int = Field(
         40_000, gt=0, description="tokens per unit of work (one output file; the unit of resume and of parallelism)"
     )
-    stateful: bool = Field(
-        False, description="carry LSTM state across batches (bilm-tf parity; not deterministic per sentence)"
-    )
+    stateful: bool = Field(False, description="carry LSTM state across batches (bilm-tf parity; order-dependent)")
     device: str = Field(DEFAULT_DEVICE, description="auto, cpu, cuda or cuda:N", **tags(RUNTIME))
     precision: InferencePrecision = Field(
         DEFAULT_INFERENCE_PRECISION,

@@ -102,6 +102,34 @@ def test_mix_float16_and_mean_pooling(corpus, tmp_path, allennlp_dir):
     )
 
 
+def test_vectors_are_stored_plain_unless_compression_is_asked_and_duckdb_reads_every_form(
+    corpus, tmp_path, allennlp_dir
+):
+    """The vector columns are written without compression, statistics or a dictionary (per-float work no query
+    reads), the small columns zstd; ``compression: zstd`` compresses the vectors too. DuckDB reads each form, float16
+    included, as vectors ``list_cosine_similarity`` takes, with the values the runtime gives."""
+    import duckdb
+
+    expected = BiLM.from_pretrained(str(allennlp_dir)).embed_sentences([SENTENCES[0].split()])[0].mean(0)[0]
+    forms = {"plain": {}, "zstd": {"compression": "zstd"}, "half": {"dtype": "float16"}}
+    for name, options in forms.items():
+        embed(EmbedConfig(model=str(allennlp_dir), input=str(corpus), out=str(tmp_path / name), **options))
+        meta = pq.ParquetFile(sorted((tmp_path / name).glob("part-*.parquet"))[0]).metadata.row_group(0)
+        columns = {meta.column(i).path_in_schema.split(".")[0]: meta.column(i) for i in range(meta.num_columns)}
+        vector = columns["elmo"]
+        assert vector.compression == ("ZSTD" if name == "zstd" else "UNCOMPRESSED"), name
+        assert not vector.is_stats_set and not vector.has_dictionary_page, name
+        assert columns["text"].compression == "ZSTD" and columns["text"].is_stats_set
+        with duckdb.connect() as db:
+            got, similarity = db.execute(
+                f"SELECT elmo, list_cosine_similarity(elmo::FLOAT[], elmo::FLOAT[]) FROM "
+                f"read_parquet('{tmp_path / name}/*.parquet') WHERE text = ? AND token_index = 0",
+                [SENTENCES[0]],
+            ).fetchone()
+        np.testing.assert_allclose(got, expected, atol=2e-3 if name == "half" else 1e-5)
+        assert similarity == pytest.approx(1.0, abs=1e-3)
+
+
 def test_text_input_rerun_does_nothing_and_other_options_are_refused(tmp_path, allennlp_dir):
     (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n" + SENTENCES[0] + "\n", encoding="utf-8")
     first = embed(EmbedConfig(model=str(allennlp_dir), input=str(tmp_path / "in.txt"), out=str(tmp_path / "out")))
@@ -317,7 +345,7 @@ def test_tables_written_beside_the_model_are_the_same_files(tmp_path, allennlp_d
 def test_a_write_beside_the_model_keeps_the_order_and_its_failure_fails_the_unit():
     import threading
 
-    from elmo_core.vectors.embed import _writes
+    from elmo_core.vectors.unit_file import writes as _writes
 
     class Disk:  # what a ParquetWriter offers _writes: tables in order, until the disk fails
         def __init__(self, fails: int = -1) -> None:

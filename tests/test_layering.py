@@ -62,7 +62,7 @@ ROOMS = {
     ],
     "runtime": ["reference", "placement", "output", "engine", "info", "onnx_file", "__init__"],
     # the index (ann): a part of an embedding job
-    "vectors": ["ann", "sources", "embed", "tables", "probe", "demo", "query", "__init__"],
+    "vectors": ["ann", "sources", "unit_file", "embed", "tables", "probe", "demo", "query", "__init__"],
     "vectors.ann": ["files", "table", "build", "search", "__init__"],
     "allennlp": ["keys", "modules", "commands", "__init__"],
     "serve": [

@@ -74,5 +74,9 @@ class Output:
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(np.float16 if self.dtype == "float16" else np.float32)
 
+    def torch_dtype(self) -> torch.dtype:
+        """The stored type as torch converts to it (float16: vectorized, several times NumPy's ``astype``)."""
+        return torch.float16 if self.dtype == "float16" else torch.float32
+
 
 ALL_LAYERS = Output()

@@ -31,7 +31,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +60,7 @@ from elmo_core.vectors.sources import (
     plan_units,
     work_dir,
 )
+from elmo_core.vectors.unit_file import open_writer, output_schema, pass_table, writes
 
 __all__ = ["EmbedConfig", "EmbedStage", "EmbedSummary", "Embedder", "Job", "Unit", "embed", "finish", "plan_job"]
 
@@ -299,23 +299,6 @@ def spread_line(processes: list[dict[str, str]], beside: bool, units_known: bool
     return spread + ("; tables written by a thread beside the model" if beside else "")
 
 
-def output_schema(n_layers: int, width: int, config: EmbedConfig) -> pa.Schema:
-    value = pa.float16() if config.dtype == "float16" else pa.float32()
-    vector = pa.list_(value, width)
-    names = [f"layer_{i}" for i in range(n_layers)] if config.layers == "all" else ["elmo"]
-    if config.pool == "mean":
-        head = [("doc_id", pa.string()), ("sentence_id", pa.string()), ("n_tokens", pa.int32()), ("text", pa.string())]
-    else:
-        head = [
-            ("doc_id", pa.string()),
-            ("sentence_id", pa.string()),
-            ("token_index", pa.int32()),
-            ("token", pa.string()),
-            ("text", pa.string()),
-        ]
-    return pa.schema([*head, *[(n, vector) for n in names], ("model_id", pa.string())])
-
-
 # ----- the work ------------------------------------------------------------------------------------------
 
 
@@ -362,14 +345,8 @@ class Embedder:
         rows = 0
         with atomic_path(target) as tmp:
             with (
-                pq.ParquetWriter(
-                    tmp,
-                    self.schema,
-                    compression="zstd",
-                    compression_level=1,
-                    use_dictionary=["doc_id", "text", "model_id", "token"],
-                ) as writer,
-                _writes(writer, self.writes_beside) as write,
+                open_writer(tmp, self.schema, self.config.compression) as writer,
+                writes(writer, self.writes_beside) as write,
             ):
                 for table in self._tables(group, sentences):
                     write(table)
@@ -387,37 +364,10 @@ class Embedder:
             first = next(batches, None)
         self.show_kernels = False
         for batch, stacked, counts in itertools.chain([first] if first is not None else [], batches):
-            vectors = self.output.apply(stacked, counts, self.factors)
-            yield self._table(group, np.asarray(batch), counts.cpu().numpy(), vectors)
-
-    def _table(self, group: pa.Table, batch: np.ndarray, counts: np.ndarray, vectors: torch.Tensor) -> pa.Table:
-        """A pass's rows: (K, R, 2P) vectors, R tokens or (``pool: mean``) R sentences."""
-        width = vectors.shape[-1]
-        picked = pa.array(batch)
-        if self.config.pool == "mean":
-            data: dict[str, Any] = {
-                "doc_id": group.column("doc_id").take(picked),
-                "sentence_id": group.column("sentence_id").take(picked),
-                "n_tokens": pa.array(counts.astype(np.int32)),
-                "text": group.column("text").take(picked),
-            }
-            n_rows = len(batch)
-        else:
-            rows = pa.array(np.repeat(batch, counts))
-            token_index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            data = {
-                "doc_id": group.column("doc_id").take(rows),
-                "sentence_id": group.column("sentence_id").take(rows),
-                "token_index": pa.array(token_index.astype(np.int32)),
-                "token": pc.list_flatten(group.column("tokens").take(picked)),
-                "text": group.column("text").take(rows),
-            }
-            n_rows = int(counts.sum())
-        values = vectors.cpu().numpy().astype(self.output.numpy_dtype(), copy=False)  # float32: no second copy
-        for name, layer in zip(self.names, values):
-            data[name] = pa.FixedSizeListArray.from_arrays(pa.array(layer.reshape(-1)), width)
-        data["model_id"] = pa.repeat(pa.scalar(self.model_id, pa.string()), n_rows)
-        return pa.table(data, schema=self.schema)
+            vectors = self.output.apply(stacked, counts, self.factors).to(self.output.torch_dtype())
+            yield pass_table(
+                self.schema, self.names, group, np.asarray(batch), counts.cpu().numpy(), vectors, self.model_id
+            )
 
 
 # what the summary offers to try on a table (shown, never run: the folder is part of the text on purpose)
@@ -489,33 +439,6 @@ def finish(job: Job, results: list[UnitResult], seconds: float) -> EmbedSummary:
         column="elmo" if job.config.layers == "mix" else "layer_1",
         pooled=job.config.pool == "mean",
     )
-
-
-@contextlib.contextmanager
-def _writes(writer: pq.ParquetWriter, beside: bool, waiting: int = 2) -> Iterator[Callable[[pa.Table], None]]:
-    """How a pass's table reaches the file: written here, or (``beside``) by one thread beside the model, in order,
-    so that a GPU computes the next pass while the last one is compressed and written (pyarrow lets go of the GIL
-    as it writes); at most ``waiting`` tables wait for it, so memory stays bounded. A failed write is raised by the
-    next table's hand-over or at the end, and a unit's file is complete or absent either way (``atomic_path``)."""
-    if not beside:
-        yield writer.write_table
-        return
-    pending: list[Future[None]] = []
-    with ThreadPoolExecutor(1, thread_name_prefix="parquet-writer") as thread:
-
-        def write(table: pa.Table) -> None:
-            while len(pending) >= waiting:
-                pending.pop(0).result()
-            pending.append(thread.submit(writer.write_table, table))
-
-        try:
-            yield write
-        except BaseException:  # the pass failed (or was stopped): its error is the one to see, not a queued write's
-            for future in pending:
-                future.cancel()
-            raise
-        for future in pending:
-            future.result()
 
 
 _LOADED: dict[tuple[str, str], Embedder] = {}  # the model a process has loaded, for the units it runs after the first
