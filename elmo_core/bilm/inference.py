@@ -287,9 +287,8 @@ def embed_sentences(
     results: list[np.ndarray | None] = [None] * len(sentences)
     with bilm.prepared(precision):
         for batch, layers, counts in token_rows(bilm, sentences, batches, carry):
-            stacked = torch.stack(layers).float().cpu().numpy()  # (L+1, N, 2P), sentence after sentence
-            for i, rows in zip(batch, sentence_slices(counts)):
-                results[i] = np.ascontiguousarray(stacked[:, rows])
+            for i, answer in zip(batch, sentence_major(torch.stack(layers), counts.tolist())):
+                results[i] = answer
     return results  # type: ignore[return-value]
 
 
@@ -302,6 +301,23 @@ def plan_batches(
     if in_order:
         return consecutive_batches(lengths, max_tokens=None if max_rows else max_tokens, max_rows=max_rows)
     return length_batches(lengths, max_tokens, max_rows)
+
+
+def sentence_major(shaped: Tensor, lengths: Sequence[int], dtype: torch.dtype = torch.float32) -> list[np.ndarray]:
+    """A pass's (K, R, D) rows (K layers, R rows: each sentence's ``lengths`` rows after the one before) as one array
+    (K, n, D) per sentence, each a view of one host buffer laid out sentence after sentence: one gather on the
+    device into that layout (and ``dtype``), one copy to the host where the device is not the CPU, none per sentence.
+    Until the last answer is dropped the buffer stays, as NumPy's views keep it."""
+    k, r, d = shaped.shape
+    starts = np.cumsum([0, *lengths[:-1]])
+    rows = [(np.arange(k)[:, None] * r + np.arange(a, a + n)[None, :]).ravel() for a, n in zip(starts, lengths)]
+    index = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, np.int64)).to(shaped.device)
+    flat = shaped.reshape(k * r, d).index_select(0, index).to(dtype).cpu().numpy()
+    answers, at = [], 0
+    for n in lengths:
+        answers.append(flat[at : at + k * n].reshape(k, n, d))
+        at += k * n
+    return answers
 
 
 def sentence_slices(counts: Tensor) -> list[slice]:

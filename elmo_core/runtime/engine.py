@@ -33,7 +33,7 @@ from elmo_core.bilm.inference import (
     StateCarry,
     WordCache,
     plan_batches,
-    sentence_slices,
+    sentence_major,
     token_rows,
 )
 from elmo_core.bilm.model import BiLM
@@ -224,11 +224,10 @@ class Runtime:
         (L+1, 2P) or (2P,). Empty sentences give (·, 0, 2P) (their mean: zeros)."""
         batches = self.batches([len(s) for s in sentences], in_order=carry is not None, max_rows=max_rows)
         factors = output.factors(self.num_layers) if output.layers == "mix" else None
-        dtype = output.numpy_dtype()
         results: list[np.ndarray | None] = [None] * len(sentences)
         for batch, stacked, counts in self.run(sentences, batches, carry):
-            shaped = output.apply(stacked, counts, factors).cpu().numpy().astype(dtype, copy=False)
-            rows = sentence_slices(counts) if output.pool == "none" else [slice(r, r + 1) for r in range(len(batch))]
-            for i, where in zip(batch, rows):
-                results[i] = np.ascontiguousarray(output.of_sentence(shaped[:, where]))
+            shaped = output.apply(stacked, counts, factors)
+            lengths = counts.tolist() if output.pool == "none" else [1] * len(batch)
+            for i, answer in zip(batch, sentence_major(shaped, lengths, output.torch_dtype())):
+                results[i] = output.of_sentence(answer)  # a view: one host buffer per pass, no copy per sentence
         return results  # type: ignore[return-value]
