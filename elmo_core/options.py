@@ -361,9 +361,10 @@ class EmbedOptions(Options):
     )
     bf16: bool | None = Field(None, description="deprecated: use --precision bf16", **tags(ALIAS))
     overwrite: bool = Field(
-        False,
-        description="replace a table of another job in --out (the new one is swapped in when complete)",
-        **tags(RUNTIME),
+        False, description="replace a table of another job in --out (swapped in when complete)", **tags(RUNTIME)
+    )
+    workers: int = Field(
+        1, ge=1, description="processes over the units on a CPU, each with its share of the cores", **tags(RUNTIME)
     )
     wait: bool = Field(
         False, description="if another job holds the output folder, wait for it instead of failing", **tags(RUNTIME)

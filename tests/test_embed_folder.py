@@ -113,6 +113,31 @@ def test_options_of_how_a_job_runs_do_not_make_it_another_job(tmp_path, allennlp
         embed(EmbedConfig(model=str(allennlp_dir), input=str(text), out=str(out), dtype="float16"))
 
 
+@pytest.mark.slow
+def test_workers_spread_the_units_over_processes_and_write_the_same_table(tmp_path, allennlp_dir):
+    """``elmo embed --workers 2`` on a CPU: the plan says so, two processes of one thread each (the cores shared)
+    embed and write the units, and the table is the one process's, row for row; a rerun with other workers is the
+    same job, done. One worker: this process alone."""
+    lines = [" ".join(f"w{(i * 7 + j) % 53}" for j in range(3 + i % 9)) + " ." for i in range(300)]
+    text = _write(tmp_path / "c.txt", lines)
+    one, two = tmp_path / "one", tmp_path / "two"
+    options = {"model": str(allennlp_dir), "input": str(text), "unit_tokens": 400, "device": "cpu"}
+    embed(EmbedConfig(out=str(one), **options))
+    result = run_elmo(
+        "-v", "embed", *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()], f"--out={two}", "--workers=2"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 processes, each with its share of the cores" in result.stderr
+    units = json.loads((two / "_manifest.json").read_text())["units"]
+    assert len(units) > 4 and len({u["pid"] for u in units}) == 2 and {u["threads"] for u in units} == {1}
+    order = ["sentence_id", "token_index"]
+    a, b = (pd.read_parquet(folder).sort_values(order).reset_index(drop=True) for folder in (one, two))
+    assert a[order + ["token"]].equals(b[order + ["token"]])
+    assert all(abs(x - y).max() < 1e-5 for x, y in zip(a["elmo"], b["elmo"]))  # whichever process ran them
+    again = embed(EmbedConfig(out=str(two), workers=1, **options))
+    assert again.units_done_before == again.units
+
+
 def test_a_failed_start_leaves_nothing_behind(tmp_path, allennlp_dir):
     out = tmp_path / "emb"
     with pytest.raises(InputError):

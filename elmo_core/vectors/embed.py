@@ -166,7 +166,12 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     elif "input" in new and old.get("input") != new["input"]:
         parts.append(f"input {_describe_input(old.get('input'))} → {_describe_input(new['input'])}")
     options = old.get("options") or {}
-    changed = [f"{k} {options.get(k)!r} → {v!r}" for k, v in new["options"].items() if options.get(k) != v]
+    fields = EmbedConfig.model_fields  # an option newer than the folder's job, at its default, changes nothing
+    changed = [
+        f"{k} {options.get(k)!r} → {v!r}"
+        for k, v in new["options"].items()
+        if options.get(k) != v and not (k not in options and k in fields and fields[k].default == v)
+    ]
     if changed:
         parts.append("options " + ", ".join(changed))
     return "; ".join(parts)
@@ -273,13 +278,26 @@ def plan_job(config: EmbedConfig, per_gpu: bool = True) -> Job:
         "input_digest": files_digest(shards),  # what a table and its index say they hold (not compared: "input" is)
     }
     target = _target(out, work, identity, config.overwrite)
-    processes = gpu_processes(placement.device) if per_gpu and len(units) > 1 else []
+    processes = unit_processes(config, placement, len(units)) if per_gpu else []
     beside = writes_beside(placement)
     job = Job(config, placement, model, identity["model_id"], units, target, out, work, identity, processes, beside)
     job.require_room()  # where the model is here; else once it is fetched (``_ready``)
     if model.ref is not None:
         job.model = model.ref
     return job
+
+
+def unit_processes(config: EmbedConfig, placement: Placement, n_units: int) -> list[dict[str, str]]:
+    """The processes a job of ``n_units`` runs its units in, each taking the next as it finishes one: one per GPU
+    (``gpu_processes``), or on a CPU the ``workers`` asked for, each with its share of the cores as torch threads,
+    each reading, embedding and writing its own units (one process's writer thread is its cap where the model is
+    fast); [] for this process alone."""
+    if n_units < 2:
+        return []
+    gpus = gpu_processes(placement.device)
+    if gpus or placement.torch_device.type != "cpu":
+        return gpus
+    return [{} for _ in range(min(config.workers, n_units))] if config.workers > 1 else []
 
 
 def writes_beside(placement: Placement) -> bool:
@@ -292,10 +310,13 @@ def spread_line(processes: list[dict[str, str]], beside: bool, units_known: bool
     """Where the units run beside the placement, where the plan decided more than the placement says (before the
     text is cut into units, the processes it would take for more than one)."""
     spread = ""
-    if processes:
+    if processes and "CUDA_VISIBLE_DEVICES" in processes[0]:
         gpus = ", ".join(p["CUDA_VISIBLE_DEVICES"] for p in processes)
         spread += f"; one process per GPU ({gpus}), each taking units as it finishes one"
-        spread += "" if units_known else ", where the text makes more than one unit"
+    elif processes:
+        spread += f"; {len(processes)} processes, each with its share of the cores, taking units as they finish one"
+    if processes and not units_known:
+        spread += ", where the text makes more than one unit"
     return spread + ("; tables written by a thread beside the model" if beside else "")
 
 
@@ -497,7 +518,7 @@ def plan_lines(config: EmbedConfig) -> list[str]:
     for stage, options in stages(config):
         if isinstance(stage, EmbedStage) and needs_tokenizing(config):
             placement, model, _ = _model_and_options(config)
-            spread = spread_line(gpu_processes(placement.device), writes_beside(placement), units_known=False)
+            spread = spread_line(unit_processes(config, placement, 2), writes_beside(placement), units_known=False)
             lines += ["embed: units are cut once the text is tokenized", model.line(), f"on {placement.line()}{spread}"]
         elif isinstance(stage, IndexStage) and not Path(config.out).is_dir():
             lines.append("index: built once the table is written")
