@@ -774,6 +774,7 @@ def test_a_cpu_budget_counts_cpu_time_and_a_wall_budget_the_clock():
     assert not cpu.exhausted() and Budget("1s", "cpu", spent_before=1.0).exhausted()
 
 
+@pytest.mark.slow
 def test_a_budget_is_the_jobs_time_with_its_evaluations_and_ends_annealed(tmp_path, caplog):
     """``--budget`` counts the training from its start to its export: setup, evaluations and checkpoints on the
     clock, the final evaluation held back, the evaluations between epochs kept to a twentieth of it. Here an epoch is
