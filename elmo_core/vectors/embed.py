@@ -110,7 +110,14 @@ class Job:
         rows = sum(u.stop - u.start if self.config.pool == "mean" else u.tokens for u in todo)
         config = self.config
         return table_bytes(
-            rows, lstm.n_layers + 1, 2 * lstm.projection_dim, config.dtype, config.layers, config.pool, len(todo)
+            rows,
+            lstm.n_layers + 1,
+            2 * lstm.projection_dim,
+            config.dtype,
+            config.layers,
+            config.pool,
+            config.compression,
+            len(todo),
         )
 
     def require_room(self) -> None:

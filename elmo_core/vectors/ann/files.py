@@ -141,26 +141,33 @@ class Coverage:
 
 # ----- what an embedding table will take on disk (its plan compares it with the free space) -------------------
 
-# Measured on real output: ``elmo embed`` of 9,090 tokens (500 sentences) of the pydoc prose with the AllenNLP test
-# model (width 32, 3 layers), every layers × dtype × pool, read back per column from the Parquet footers (zstd 1):
-# contextual vectors (the mix, layers 1-2) take 0.90-0.93 of their raw bytes (float32 116.0-118.8 of 128 bytes a row,
-# float16 57.4-59.3 of 64), as 20,000 random float32 rows of width 1024 do (0.932); the other columns take 6.6 bytes a
-# token row and 58.0 a sentence row (its text); each part file's footer 3.9-5.4 kB. Layer 0 (one vector per word
-# type) often compresses far better (0.17 of raw there; 0.33 for 3,000 Zipf-drawn types of width 1024), but how much
-# depends on the text, so it is counted as a contextual layer: the estimate errs high for ``layers: all``.
-VECTOR_FACTOR = 0.93
+# Measured on real output: ``elmo embed`` of 9,059 tokens (497 sentences) of the pydoc prose with the AllenNLP test
+# model (width 32, 3 layers), every layers × dtype × pool × compression, read back per column from the Parquet
+# footers. Written plain (the default), a vector takes its raw bytes and one bit a value more: the list's repetition
+# levels, bit-packed (4 bytes a row of width 32, float32 1.031 and float16 1.063 of raw; 128 bytes, 3%, at width
+# 1,024). With ``compression: zstd`` the contextual vectors (the mix, layers 1-2) take 0.89-0.93 of their raw bytes,
+# levels included, as 20,000 random float32 rows of width 1024 do (0.932). lz4 and snappy are counted as plain (they
+# find next to nothing to take out of floats). The other columns take 6.6 bytes a token row and 59.4 a sentence row
+# (its text, zstd); each part file's footer 3.9-5.2 kB. Layer 0 (one vector per word type) compresses far better
+# under zstd (0.17-0.48 of raw there), but how much depends on the text, so it is counted as a contextual layer: the
+# estimate errs high for ``layers: all`` with zstd.
+ZSTD_FACTOR = 0.93  # of a vector's raw bytes, written with zstd
+LEVEL_BYTES = 1 / 8  # a value's repetition level, written plain
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2}  # a stored value's bytes, by the dtype's name
 ROW_BYTES = {"none": 8, "mean": 64}  # the other columns of a token row, of a sentence row (pool: mean)
 PART_FOOTER_BYTES = 6_000
 
 
-def table_bytes(rows: int, n_layers: int, width: int, dtype: str, layers: str, pool: str, parts: int = 1) -> int:
+def table_bytes(
+    rows: int, n_layers: int, width: int, dtype: str, layers: str, pool: str, compression: str, parts: int = 1
+) -> int:
     """About the bytes of an embedding table of ``rows`` rows (tokens; sentences with ``pool: mean``) of vectors of
-    ``width`` in ``dtype`` (float32, float16): one column with ``layers: mix``, ``n_layers`` with ``layers: all``, in
-    ``parts`` part files. Pure arithmetic on the measured factors above."""
+    ``width`` in ``dtype`` (float32, float16) written with ``compression``: one column with ``layers: mix``,
+    ``n_layers`` with ``layers: all``, in ``parts`` part files. Pure arithmetic on the measured factors above."""
     itemsize = DTYPE_BYTES[dtype]
+    value = itemsize * ZSTD_FACTOR if compression == "zstd" else itemsize + LEVEL_BYTES
     columns = n_layers if layers == "all" else 1
-    per_row = columns * width * itemsize * VECTOR_FACTOR + ROW_BYTES[pool]
+    per_row = columns * width * value + ROW_BYTES[pool]
     return int(rows * per_row + parts * PART_FOOTER_BYTES)
 
 
