@@ -1,5 +1,7 @@
 """The ``elmo`` console script, run as a user runs it (a real subprocess)."""
 
+import pytest
+
 from tests.helpers import run_elmo
 
 
@@ -10,6 +12,7 @@ def test_demo_embeds_the_probes_without_a_model_given():
     assert "s8:苹果" in result.stdout
 
 
+@pytest.mark.slow
 def test_info_and_a_clear_error_for_a_missing_model(tmp_path, allennlp_dir):
     ok = run_elmo("info", str(allennlp_dir))
     assert ok.returncode == 0 and "2x64_16, 124 filters" in ok.stdout

@@ -43,6 +43,7 @@ def _tokens(source: Path) -> int:
     return sum(len(line.split()) for line in source.read_text().splitlines())
 
 
+@pytest.mark.slow
 def test_a_second_job_is_refused_naming_the_holder_and_waits_with_wait(tmp_path, allennlp_dir):
     source, out = _text(tmp_path / "a.txt", 30, 1), tmp_path / "emb"
     holder = FolderLock(work_dir(out) / LOCK_NAME, out).acquire()  # this test's process is the other job
@@ -70,6 +71,7 @@ def test_a_second_job_is_refused_naming_the_holder_and_waits_with_wait(tmp_path,
     assert _rows(out) == (_tokens(source), _tokens(source))
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_holder_leaves_no_stale_lock(tmp_path, allennlp_dir):
     source, out = _text(tmp_path / "a.txt", 20, 2), tmp_path / "emb"
     code = (
@@ -141,6 +143,7 @@ def test_two_ingests_into_one_dataset_deduplicate_against_each_other(tmp_path):
     assert rows == distinct == 300  # 200 shared (once) + 50 + 50
 
 
+@pytest.mark.slow
 def test_an_unreachable_tracking_server_fails_a_training_in_seconds_before_any_work(tmp_path):
     """MLflow's own client retries for minutes; the run is refused in one line naming the URI and the way out."""
     import os

@@ -501,6 +501,7 @@ def test_require_space_refuses_what_does_not_fit_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     "layers, dtype, compression", [("mix", "float32", "none"), ("all", "float16", "none"), ("all", "float32", "zstd")]
 )
+@pytest.mark.slow
 def test_the_table_estimate_against_real_parquet(tmp_path, dataset, layers, dtype, compression):
     """A real table: the estimate is never short, and within 10% where nothing is compressed (``files.py`` has the
     measurements of every ``--layers`` × ``--dtype`` × ``--pool`` × ``--compression``; under zstd layer 0, one vector

@@ -72,6 +72,7 @@ def test_another_input_is_refused_and_overwrite_replaces_the_table_whole(tmp_pat
     assert again.units_done_before == again.units and again.tokens == 0
 
 
+@pytest.mark.slow
 def test_another_text_file_is_refused_in_one_line_before_it_is_tokenized(tmp_path, allennlp_dir):
     """Two jobs started together where the second starts after the first is done (CI saw it: a loaded machine
     still importing torch): refused in one line, with no ingest log before it and the folder's working copy of
@@ -166,6 +167,7 @@ def test_units_are_bounded_by_tokens_whatever_the_row_groups(tmp_path):
     assert len({u.name for u in units}) == len(units)
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_dir):
     model = str(allennlp_dir)
     text = _write(tmp_path / "a.txt", A)
@@ -203,6 +205,7 @@ def test_bad_inputs_get_one_line_naming_the_path_and_the_fix(tmp_path, allennlp_
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.slow
 def test_the_walkthrough_conflict_from_the_cli(tmp_path, allennlp_dir):
     """elmo embed a.txt into emb, then an ingested b into emb: refused in one line; --overwrite replaces it."""
     model, out = str(allennlp_dir), str(tmp_path / "emb")

@@ -140,6 +140,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_build_then_a_query_is_right_and_a_rerun_completes_it(tmp_path):
     table = write_table(tmp_path / "big", rows=12 * PART_ROWS, dim=64, part_rows=PART_ROWS)
     folder = ann.index_dir(table, "elmo")

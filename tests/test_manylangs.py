@@ -291,6 +291,7 @@ def test_every_command_gives_their_numbers(tmp_path, release, expected):
     assert info.returncode == 0 and "zhs.model: 2x32_16, 60 filters" in info.stdout, info.stdout + info.stderr
 
 
+@pytest.mark.slow
 def test_chinese_text_with_the_chinese_tokenizer(tmp_path, release):
     """Raw Chinese, unsegmented as their models never saw it, cut into words by ``--tokenizer chinese`` (jieba)
     before their dictionaries read it: the table's tokens are jieba's, the vectors those of the words."""
@@ -309,6 +310,7 @@ def test_chinese_text_with_the_chinese_tokenizer(tmp_path, release):
     np.testing.assert_allclose(got, reference_layers(release, words), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_release_is_converted_once_and_then_resolved_without_torch(tmp_path):
     """The first resolve converts the folder into the model cache; a second process finds it there without importing
     torch (the server's HTTP process resolves models), and a changed file makes a new entry."""
@@ -431,6 +433,7 @@ class _RunsCode:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.slow
 def test_a_pickle_that_would_run_code_is_refused_and_exits_2(tmp_path, release):
     """``torch.load(weights_only=True)``: the file is refused before anything in it runs; the CLI's one line, exit 2."""
     folder = _damaged(tmp_path, release, "evil.model")

@@ -92,6 +92,7 @@ def _clip_heavy(allennlp_dir: Path, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_file_gives_the_runtimes_layers_without_torch(tmp_path, allennlp_dir, bilm_tf_dir, fixture_sentences):
     bilm_tf = bilm_tf_dir / "model"
     tf_sentences = [s.split() for k in json.loads((bilm_tf / "lm_embeddings_sentences.json").read_text()) for s in k]

@@ -258,6 +258,7 @@ def test_a_probe_is_an_mlflow_run_with_per_layer_metrics_and_the_chart(bank_sens
     assert {"chart.png", "results.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
+@pytest.mark.slow
 def test_elmo_probe_on_the_command_line(tmp_path, allennlp_dir):
     wordnet = write_wordnet_sample(tmp_path / "wn")
     done = run_elmo(

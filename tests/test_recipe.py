@@ -209,6 +209,7 @@ def test_the_shipped_table_is_measured_and_every_recipe_in_it_is_a_valid_config(
         TrainOptions(**measured["fields"])
 
 
+@pytest.mark.slow
 def test_elmo_train_with_a_budget_says_which_recipe_the_table_picked(fixture_data, tmp_path):  # noqa: F811
     result = run_elmo(
         "-v", "train", "--data", str(fixture_data), "--out", str(tmp_path / "run"), "--budget", "30m",

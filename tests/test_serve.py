@@ -346,6 +346,7 @@ def test_bad_model_is_one_line_before_the_port_is_taken(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_a_refused_precision_is_one_line_before_the_port_is_taken() -> None:
     """bf16 on a CPU that would emulate it (any CPU under ``ELMO_CPU_ISA=avx2``) is the runtime's refusal, decided
     before the port is bound, not a model process's after it."""

@@ -23,6 +23,7 @@ def _access_lines(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.startswith('{"time"')]
 
 
+@pytest.mark.slow
 def test_metrics_open_request_ids_and_the_access_log(tmp_path: Path) -> None:
     """With an API key and --metrics-open, a scraper reads /metrics without the key (the rest still wants it); a
     request's X-Request-ID comes back on its answer (a new one where it sent none), and its access-log line says

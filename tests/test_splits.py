@@ -174,6 +174,7 @@ def _softmax_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_elmo_perplexity_scores_the_split_it_is_told_to(tmp_path, allennlp_dir):
     """``--split test`` scores the test sentences: the same figures as those sentences ingested alone as heldout;
     the train split's differ. A model without a softmax is refused, naming what it needs."""
@@ -197,6 +198,7 @@ def test_elmo_perplexity_scores_the_split_it_is_told_to(tmp_path, allennlp_dir):
     assert result.returncode == 2 and "needs a model with a softmax" in result.stderr
 
 
+@pytest.mark.slow
 def test_elmo_embed_embeds_the_test_split(tmp_path, allennlp_dir):
     """Every split ingest keeps can be embedded, test too: exactly its sentences, each token a row."""
     train, test = _write(tmp_path / "train.txt", TRAIN), _write(tmp_path / "test.txt", TEST)

@@ -325,6 +325,7 @@ def _weights(model_dir: Path) -> dict[str, Tensor]:
     return BiLM.from_pretrained(str(model_dir)).state_dict()
 
 
+@pytest.mark.slow
 def test_export_best_exports_the_lowest_heldout_perplexity_and_survives_a_resume(data_with_heldout, tmp_path, caplog):
     from elmo_core.train.export import export_checkpoint
 
@@ -598,6 +599,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(fixture_data, tmp_path
     assert isinstance(json.loads((tmp_path / "run" / "config.json").read_text())["sample_softmax"], bool)
 
 
+@pytest.mark.slow
 def test_perplexity_and_export_commands(fixture_data, tmp_path, bilm_tf_dir):
     run = tmp_path / "run"
     train(TrainConfig(data=str(fixture_data), out=str(run), max_steps=6, checkpoint_every=3, **FIXTURE_OPTIONS))
