@@ -238,6 +238,22 @@ def ceiling(model_dir: Path, sentences: list[list[str]], precision: str, threads
     return tokens / best
 
 
+def embedder_batches(model_dir: Path, sentences: list[list[str]], threads: int, size: int = 64) -> float:
+    """The drop-in's throughput on the same sentences: ``ElmoEmbedder.embed_batch`` of ``size`` at a time, in order
+    (what issue 65 sets the server beside: a user's loop over its batches), its word cache warm from a first round."""
+    from elmo_core.allennlp import ElmoEmbedder
+
+    torch.set_num_threads(threads)
+    embedder = ElmoEmbedder(str(model_dir / "options.json"), str(model_dir / "weights.hdf5"), precision="fp32")
+    batches = [[sentences[(i + j) % len(sentences)] for j in range(size)] for i in range(0, 20 * size, size)]
+    for batch in batches:
+        embedder.embed_batch(batch)
+    started = time.perf_counter()
+    for batch in batches:
+        embedder.embed_batch(batch)
+    return sum(len(s) for b in batches for s in b) / (time.perf_counter() - started)
+
+
 def start_serve(model_dir: Path, precision: str, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "elmo_core.cli", "serve", str(model_dir), "--port", str(port)]
@@ -400,6 +416,12 @@ def main() -> None:
         help="the burst's connections open at once at most (0: no cap; each holds a file descriptor on both sides)",
     )
     parser.add_argument("--sentences", type=int, default=3000, help="the pool of real sentences requests cycle over")
+    parser.add_argument(
+        "--baseline",
+        choices=["embed_sentences", "embedder"],
+        default="embed_sentences",
+        help="x batch against embed_sentences over the whole pool, or ElmoEmbedder.embed_batch of 64 (issue 65)",
+    )
     parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic, onnx")
     parser.add_argument(
         "--token-encodings", default="float,base64,binary", help="every layer per token at the top concurrency, as"
@@ -444,6 +466,9 @@ def main() -> None:
             f"batch job ceiling (embed_sentences, {threads} threads): real {batch_job:,.0f} tok/s, synthetic "
             f"{batch_job_synthetic:,.0f} tok/s"
         )
+        if args.baseline == "embedder" and args.precision == "fp32":  # the rows' "x batch" against the drop-in
+            batch_job = embedder_batches(model_dir, real, threads)
+            print(f"ElmoEmbedder.embed_batch of 64 ({threads} threads): {batch_job:,.0f} tok/s (the x batch below)")
         for clients in levels:
             size = max(1, clients // 2)
             rate = worker_alone(model_dir, real, size, args.precision)
