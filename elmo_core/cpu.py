@@ -154,6 +154,12 @@ def facts() -> CpuFacts:
     return _facts(override())
 
 
+def hidden_by(isa: str) -> frozenset[str]:
+    """The flags that matter which ``ELMO_CPU_ISA=isa`` takes away on this CPU: none where the CPU is no more than
+    that already (CI then skips its second run under the override, which would repeat the first exactly)."""
+    return _facts(None).flags - _facts(isa).flags
+
+
 def torch_capability() -> str:
     """What torch's CPU kernels were dispatched for (AVX512, AVX2, DEFAULT, ...)."""
     import torch

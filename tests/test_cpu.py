@@ -55,6 +55,23 @@ def test_the_override_makes_the_cpu_look_avx2_only_to_the_project(monkeypatch):
     assert cpu.facts().override is None and "-march=native" in fused_gates._flags()
 
 
+@pytest.mark.parametrize(
+    "flags, hidden",
+    [
+        ("fpu avx2 fma", set()),  # an AVX2-only CPU: CI runs the fallback tests once, not twice
+        ("avx2 fma avx512f avx512bw avx512_bf16", {"avx512f", "avx512bw", "avx512_bf16"}),
+        ("avx2 fma avx_vnni", {"avx_vnni"}),  # a client CPU with VNNI and no AVX-512 still needs the second run
+    ],
+)
+def test_what_the_override_hides_decides_ci_s_second_run(monkeypatch, flags, hidden):
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: ("a CPU", frozenset(flags.split())))
+    cpu._facts.cache_clear()
+    try:
+        assert cpu.hidden_by("avx2") == hidden
+    finally:
+        cpu._facts.cache_clear()
+
+
 @pytest.mark.skipif(not X86, reason="the override holds x86 instruction sets")
 def test_set_before_torch_loads_it_holds_torch_s_own_kernels_to_avx2_too():
     code = (
