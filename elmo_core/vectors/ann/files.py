@@ -142,15 +142,15 @@ class Coverage:
 # ----- what an embedding table will take on disk (its plan compares it with the free space) -------------------
 
 # Measured on real output: ``elmo embed`` of 9,059 tokens (497 sentences) of the pydoc prose with the AllenNLP test
-# model (width 32, 3 layers), every layers × dtype × pool × compression, read back per column from the Parquet
-# footers. Written plain (the default), a vector takes its raw bytes and one bit a value more: the list's repetition
-# levels, bit-packed (4 bytes a row of width 32, float32 1.031 and float16 1.063 of raw; 128 bytes, 3%, at width
-# 1,024). With ``compression: zstd`` the contextual vectors (the mix, layers 1-2) take 0.89-0.93 of their raw bytes,
-# levels included, as 20,000 random float32 rows of width 1024 do (0.932). lz4 and snappy are counted as plain (they
-# find next to nothing to take out of floats). The other columns take 6.6 bytes a token row and 59.4 a sentence row
-# (its text, zstd); each part file's footer 3.9-5.2 kB. Layer 0 (one vector per word type) compresses far better
-# under zstd (0.17-0.48 of raw there), but how much depends on the text, so it is counted as a contextual layer: the
-# estimate errs high for ``layers: all`` with zstd.
+# model (width 32, 3 layers), every layers × dtype × pool × compression, read back per column from the Parquet footers.
+# Written plain (the default), a vector takes its raw bytes and one bit a value more: the list's repetition levels,
+# bit-packed (4 bytes a row of width 32, float32 1.031 and float16 1.063 of raw; 128 bytes, 3%, at width 1,024). With
+# ``compression: zstd`` the contextual vectors (the mix, layers 1-2) take 0.89-0.93 of their raw bytes, levels included,
+# as 20,000 random float32 rows of width 1024 do (0.932). lz4 and snappy take 0.99 and 1.00 of raw (float32, levels
+# included), under the plain count, and are counted as plain. The other columns take 6.6 bytes a token row and 59.4 a
+# sentence row (its text, zstd); each part file's footer 3.9-5.2 kB. Layer 0 (one vector per word type) compresses far
+# better under zstd (0.17-0.48 of raw there), but how much depends on the text, so it is counted as a contextual layer:
+# the estimate errs high for ``layers: all`` with zstd.
 ZSTD_FACTOR = 0.93  # of a vector's raw bytes, written with zstd
 LEVEL_BYTES = 1 / 8  # a value's repetition level, written plain
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2}  # a stored value's bytes, by the dtype's name
