@@ -238,13 +238,15 @@ def ceiling(model_dir: Path, sentences: list[list[str]], precision: str, threads
     return tokens / best
 
 
-def embedder_batches(model_dir: Path, sentences: list[list[str]], threads: int, size: int = 64) -> float:
+def embedder_batches(
+    model_dir: Path, sentences: list[list[str]], precision: str, threads: int, size: int = 64
+) -> float:
     """The drop-in's throughput on the same sentences: ``ElmoEmbedder.embed_batch`` of ``size`` at a time, in order
     (what issue 65 sets the server beside: a user's loop over its batches), its word cache warm from a first round."""
     from elmo_core.allennlp import ElmoEmbedder
 
     torch.set_num_threads(threads)
-    embedder = ElmoEmbedder(str(model_dir / "options.json"), str(model_dir / "weights.hdf5"), precision="fp32")
+    embedder = ElmoEmbedder(str(model_dir / "options.json"), str(model_dir / "weights.hdf5"), precision=precision)
     batches = [[sentences[(i + j) % len(sentences)] for j in range(size)] for i in range(0, 20 * size, size)]
     for batch in batches:
         embedder.embed_batch(batch)
@@ -466,8 +468,8 @@ def main() -> None:
             f"batch job ceiling (embed_sentences, {threads} threads): real {batch_job:,.0f} tok/s, synthetic "
             f"{batch_job_synthetic:,.0f} tok/s"
         )
-        if args.baseline == "embedder" and args.precision == "fp32":  # the rows' "x batch" against the drop-in
-            batch_job = embedder_batches(model_dir, real, threads)
+        if args.baseline == "embedder":  # the rows' "x batch" against the drop-in
+            batch_job = embedder_batches(model_dir, real, args.precision, threads)
             print(f"ElmoEmbedder.embed_batch of 64 ({threads} threads): {batch_job:,.0f} tok/s (the x batch below)")
         for clients in levels:
             size = max(1, clients // 2)
