@@ -121,14 +121,17 @@ def run_on_dask(
     return _with_one_server(lambda: chosen.with_options(task_runner=runner)(config))
 
 
+DRAIN_TIMEOUT_S = 30  # what the flow left queued for the server, sent before it stops
 SERVER_START_TIMEOUT_S = 120  # Prefect waits 20 s by default; a busy machine (training beside) can take longer
 
 
 def _with_one_server(run: Any) -> Any:
     """Run the flow against one temporary Prefect server that the local cluster's workers inherit (they read
     PREFECT_API_URL from the environment they are spawned with), stopped when the job ends."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import temporary_settings
+    from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
     server = SubprocessASGIServer()
     server.start(timeout=SERVER_START_TIMEOUT_S)
@@ -142,7 +145,12 @@ def _with_one_server(run: Any) -> Any:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = previous
-        server.stop()
+        # the flow's last logs and events go while the server is up: left queued, Prefect's exit handler retries
+        # them against the stopped server for over a minute (the job looked hung after its last line)
+        APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S, at_exit=False)
+        EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S, at_exit=False)
+        with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):  # its own "stopping" line too
+            server.stop()
 
 
 if __name__ == "__main__":

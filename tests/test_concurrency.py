@@ -4,6 +4,7 @@ ingests into one dataset deduplicate against each other."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import subprocess
 import sys
@@ -266,6 +267,15 @@ if __name__ == "__main__":
 """
 
 
+def _assert_exits_with_its_flow(stderr: str, ended: datetime.datetime) -> None:
+    """The job's process ends when its flow does: nothing is left queued for the temporary server it stopped (Prefect
+    retried such logs and events at exit for over a minute, after the job's last line)."""
+    assert "Error logging to API" not in stderr, stderr[-2000:]
+    (finished,) = [line for line in stderr.splitlines() if "Flow run" in line and "Finished in state Completed" in line]
+    clock = datetime.datetime.combine(ended.date(), datetime.time.fromisoformat(finished.split(" | ")[0]))
+    assert (ended - clock).total_seconds() < 15, f"the job ended {ended - clock} after its flow"
+
+
 @pytest.mark.slow
 def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(tmp_path, allennlp_dir):
     import os
@@ -316,6 +326,7 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
         rerun = start()
         stdout, stderr = rerun.communicate(timeout=600)
         assert rerun.returncode == 0, stderr[-3000:]
+    _assert_exits_with_its_flow(stderr, datetime.datetime.now())
     # the two local workers split the cores: each torch has cores / 2 threads, not all of them
     assert json.loads(stdout.strip().splitlines()[-1])["worker_threads"] == [cpu.threads_for(2)]
     tokens = sum(len(line.split()) for line in lines)
