@@ -144,6 +144,7 @@ def test_two_ingests_into_one_dataset_deduplicate_against_each_other(tmp_path):
     assert rows == distinct == 300  # 200 shared (once) + 50 + 50
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_an_unreachable_tracking_server_fails_a_training_in_seconds_before_any_work(tmp_path):
     """MLflow's own client retries for minutes; the run is refused in one line naming the URI and the way out."""

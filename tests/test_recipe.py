@@ -55,6 +55,7 @@ def _fixture_objective(fixture_data):  # noqa: F811
     return objective, step, [p for p in objective.parameters() if p.requires_grad]
 
 
+@pytest.mark.timing
 def test_the_cost_is_whole_steps_as_the_run_takes_them_and_leaves_the_model_as_it_was(fixture_data):  # noqa: F811
     """Each path steps its own optimizer, the sampled one with the run's sparse gradients; then the weights,
     gradients, the sparse flag and the RNG are as before."""
@@ -78,6 +79,7 @@ def test_the_cost_is_whole_steps_as_the_run_takes_them_and_leaves_the_model_as_i
     assert objective.sparse is False and all(torch.equal(p, w) for p, w in zip(params, weights))
 
 
+@pytest.mark.timing
 def test_the_cost_counts_the_optimizers_update(fixture_data):  # noqa: F811
     """A costly update on the exact path alone (as a dense update over every word's row is) shows in the ratio."""
     objective, step, params = _fixture_objective(fixture_data)

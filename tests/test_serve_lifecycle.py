@@ -61,6 +61,7 @@ def test_metrics_open_request_ids_and_the_access_log(tmp_path: Path) -> None:
         stop_group(proc)
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_sigterm_turns_ready_503_serves_through_the_drain_delay_then_exits(tmp_path: Path) -> None:
     """SIGTERM: /ready answers 503 at once (the load balancer stops routing here), requests are still served for

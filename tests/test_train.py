@@ -265,6 +265,7 @@ def test_learning_rate_schedules_are_functions_of_the_step(fixture_data, tmp_pat
         assert run.optimizer.param_groups[0]["lr"] == pytest.approx(learning_rate_at(config, expected_step, 20))
 
 
+@pytest.mark.timing
 def test_under_a_budget_the_cosine_ends_at_the_budgets_end(fixture_data, tmp_path):
     """A budgeted run's step count is unknown: the cosine's clock is the later of the steps done and the share of the
     budget spent, so the rate reaches 0 by the budget's end even where max_steps is far off."""
@@ -684,6 +685,7 @@ def test_both_softmaxes_train_and_export_to_files_the_allennlp_drop_in_reads(
         np.testing.assert_allclose(theirs, ours, atol=1e-6)
 
 
+@pytest.mark.timing
 def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spent(fixture_data, tmp_path, caplog):
     """Training stops once the budget is spent (the log line says when), a resume counts what the checkpoint says
     was spent, and the export happens as at the last step."""
@@ -713,6 +715,7 @@ def test_a_budget_stops_training_within_5_percent_and_resumes_count_what_was_spe
         assert train(cpu).steps < 20_000 and 2.0 <= stopped_at() <= 2.0 * 1.05
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 @pytest.mark.parametrize("clock", ["cpu", "wall"])
 def test_a_budget_timed_from_outside_stops_within_5_percent_on_its_clock(fixture_data, tmp_path, clock):
@@ -768,6 +771,7 @@ def test_a_budget_that_does_not_read_is_one_line_naming_the_flag(tmp_path):
     assert "--budget" in result.stderr and "30m, 2h" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.timing
 def test_a_cpu_budget_counts_cpu_time_and_a_wall_budget_the_clock():
     from elmo_core.train.budget import Budget
 
@@ -779,6 +783,7 @@ def test_a_cpu_budget_counts_cpu_time_and_a_wall_budget_the_clock():
     assert not cpu.exhausted() and Budget("1s", "cpu", spent_before=1.0).exhausted()
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_a_budget_is_the_jobs_time_with_its_evaluations_and_ends_annealed(tmp_path, caplog):
     """``--budget`` counts the training from its start to its export: setup, evaluations and checkpoints on the
