@@ -13,6 +13,9 @@ OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -q -n "${ELMO_TEST_PROCESSES:
 shared=$?
 .venv/bin/python -m pytest -q -m "timing and not gpu" "$@"
 alone=$?
+# 5: no test of that kind among the ones asked for (a file given without timing tests), not a failure
+[ "$shared" -eq 5 ] && shared=0
+[ "$alone" -eq 5 ] && alone=0
 if [ "$shared" -ne 0 ] || [ "$alone" -ne 0 ]; then
   echo "test: failed (the shared run exited $shared, the timing tests' run $alone)"
   exit 1
