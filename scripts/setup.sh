@@ -15,6 +15,6 @@ fi
 set -o pipefail
 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | { grep -v "^WARNING: Location" || true; }
 # the project's own modules compiled once: where PYTHONDONTWRITEBYTECODE is set (these machines set it) Python
-# never caches them, and every process a job or a test starts compiled ~22k lines again (1.8 s of CPU here)
+# never caches them, and every process a job or a test starts compiled ~22k lines again (0.7-1 s a process here)
 .venv/bin/python -m compileall -q -j 0 elmo_core flows tests bench >/dev/null
 .venv/bin/python -c "import torch, elmo_core; print(f'setup: torch {torch.__version__}, elmo_core ready in .venv')"

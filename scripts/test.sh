@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The whole suite, as CI runs it (the README's test command, after scripts/setup.sh). Most of its time is end-to-end
-# runs that wait on the processes they start (Prefect servers and workers, torchrun's ranks, Dask's workers), so two
-# pytest processes share the tests (pytest-xdist), a file at a time (a file's module-scoped servers start once).
+# The whole suite, as CI runs it (the README's test command, after scripts/setup.sh). Run by one pytest process it
+# kept about 1.1 of 2 cores busy (its end-to-end tests wait on the servers and workers they start), so two pytest
+# processes share the tests (pytest-xdist; ELMO_TEST_PROCESSES sets another count), a file at a time (a file's
+# module-scoped servers start once).
 # The tests marked `timing` measure their own time or pace (a budget's stop within 5%, a drain delay): a second busy
 # process makes a 2-thread torch 3-5x slower, so they run after the rest, alone. Arguments go to both runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # torch's OpenMP threads sleep at their barriers instead of spinning: with two test processes on the cores, a
-# spinning thread holds a core the other process's work needs (the server bench measured 13-19% more tokens)
+# spinning thread holds a core the other process's work needs (the serve bench's model process got 13-19% more
+# tokens so; not measured on the suite itself)
 OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -q -n "${ELMO_TEST_PROCESSES:-2}" --dist loadfile \
   -m "not gpu and not timing" "$@"
 shared=$?
