@@ -88,3 +88,37 @@ def test_the_wheel_in_a_fresh_venv_runs_the_kernels_the_clone_runs(tmp_path):
     assert list((tmp_path / "cache").glob("**/*.so"))
     assert "C kernels (LSTM gates, char CNN backward): yes" in installed
     assert installed == info(Path(sys.executable).parent / "elmo", ROOT, dict(os.environ))
+
+
+def test_setup_hands_uv_the_sources_pip_would_use():
+    """scripts/setup.sh installs with uv from pip's configured sources: each option from the scope pip takes it
+    from (PIP_* variables over the PIP_CONFIG_FILE file over site, user and global files), every entry of a
+    white-space separated value, and nothing uv has no flag for."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from pip_sources import uv_flags
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    listed = "\n".join(
+        [
+            "global.index-url='https://global.example/simple'",
+            "user.index-url='https://user.example/simple'",
+            ":env:.find-links='/opt/wheels'",
+            "global.find-links='/elsewhere'",
+            "global.extra-index-url='file:///a/simple file:///b/simple'",
+            "global.constraint='/etc/c.txt'",
+            "global.cert='/etc/ssl/ca.crt'",
+            ":env:.default-timeout='180'",
+        ]
+    )
+    flags = uv_flags(listed)
+    pairs = {(flags[i], flags[i + 1]) for i in range(0, len(flags), 2)}
+    assert pairs == {
+        ("--index-url", "https://user.example/simple"),
+        ("--find-links", "/opt/wheels"),
+        ("--extra-index-url", "file:///a/simple"),
+        ("--extra-index-url", "file:///b/simple"),
+        ("--constraint", "/etc/c.txt"),
+    }
+    assert len(flags) == 2 * len(pairs)
+    assert uv_flags("") == []
