@@ -35,3 +35,17 @@ def test_a_store_away_is_retried_with_backoff_and_a_bad_parameter_is_not(monkeyp
     assert "models:/nobody/7" in str(missing) and not _retried(missing)
     no_model = _raised(monkeypatch, store, model=str(tmp_path / "no-such-model"))
     assert not _retried(no_model)
+
+
+def test_a_full_disk_is_not_retried_and_a_busy_one_is(tmp_path):
+    """A full disk fails the task at once (its units stay, the rerun continues): as the kernel reports it, as
+    Arrow's writer wraps it, and as the flows' boundary names it; another passing OS error is retried."""
+    import errno
+
+    from elmo_core.errors import DiskFullError
+
+    raw = OSError(errno.ENOSPC, "No space left on device")
+    arrow = OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+    named = DiskFullError(str(tmp_path), "0 B", "its 2 finished part files are kept")
+    assert not any(_retried(error) for error in (raw, arrow, named))
+    assert _retried(OSError(errno.EBUSY, "Device or resource busy"))
