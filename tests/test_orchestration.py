@@ -43,8 +43,8 @@ CORPUS = (
 
 
 @pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect_home")
+def prefect_server(tmp_path_factory, prefect_home):
+    home = prefect_home(tmp_path_factory.mktemp("prefect_home"))
     port = free_port()
     env = {
         **os.environ,
@@ -408,9 +408,9 @@ def _gone(processes: list) -> bool:
 
 
 def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_and_resumes(prefect_server, tmp_path):
-    """`prefect deployment run elmo/train` with nproc_per_node 2 through a real worker: it completes with one MLflow
-    run of world size 2 and identical replicas; a rank killed with -9 fails the flow run naming the rank; a cancel
-    stops every rank; each leaves no process, and the rerun of the cancelled one resumes from its checkpoint."""
+    """`prefect deployment run elmo/train` with nproc_per_node 2 through a real worker: a rank killed with -9 fails
+    the flow run naming the rank; a cancel stops every rank; each leaves no process; the rerun of the cancelled one
+    resumes from its checkpoint and completes, with one MLflow run of world size 2 and identical replicas."""
     env = prefect_server
     corpus = tmp_path / "corpus.txt"
     corpus.write_text((CORPUS + "\n") * 3)
@@ -452,21 +452,6 @@ def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_a
         cwd=ROOT, env=env, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        done = _prefect(env, "deployment", "run", "elmo/train", "--params", params("two", max_steps=30),
-                        "--watch", "--watch-timeout", "900", timeout=1000)  # fmt: skip
-        assert "Completed" in done.stdout, done.stdout[-3000:]
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-        (mlrun,) = [
-            r
-            for r in client.search_runs([client.get_experiment_by_name("elmo").experiment_id])
-            if r.data.params.get("config.out") == str(tmp_path / "two" / "train")
-        ]
-        assert mlrun.data.params["data.world_size"] == "2" and mlrun.info.status == "FINISHED"
-        digests = json.loads((tmp_path / "two" / "train" / "ddp_weights.json").read_text())
-        assert len(digests) == 2 and len(set(digests)) == 1
-
         # a rank killed with -9: the flow run fails, naming the rank; nothing is left running
         killed = start("killed", max_steps=100_000)
         _wait(lambda: list((tmp_path / "killed" / "train" / "checkpoints").glob("step-*.pt")), 600, "a checkpoint")
@@ -503,6 +488,18 @@ def test_the_train_deployment_on_two_processes_completes_fails_cleanly_cancels_a
         assert any("resumed from" in log["message"] for log in logs)
         steps = [json.loads(line)["step"] for line in (tmp_path / "cancel" / "train" / "metrics.jsonl").open()]
         assert max(steps) == 240
+        # completed: the resumed MLflow run, of world size 2, and the two replicas' weights identical
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        (mlrun,) = [
+            r
+            for r in client.search_runs([client.get_experiment_by_name("elmo").experiment_id])
+            if r.data.params.get("config.out") == str(tmp_path / "cancel" / "train")
+        ]
+        assert mlrun.data.params["data.world_size"] == "2" and mlrun.info.status == "FINISHED"
+        digests = json.loads((tmp_path / "cancel" / "train" / "ddp_weights.json").read_text())
+        assert len(digests) == 2 and len(set(digests)) == 1
     finally:
         stop_group(worker)
         worker_log.close()
