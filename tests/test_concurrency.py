@@ -278,7 +278,7 @@ def _assert_exits_with_its_flow(stderr: str, ended: datetime.datetime) -> None:
 
 
 @pytest.mark.slow
-def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(tmp_path, allennlp_dir):
+def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(tmp_path, allennlp_dir, prefect_home):
     import os
     import signal
 
@@ -295,7 +295,7 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
     script = tmp_path / "embed_on_dask.py"  # the README's example as a saved script, with its main guard
     script.write_text(DASK_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect"))
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
@@ -338,7 +338,7 @@ def test_a_dask_worker_killed_mid_job_costs_only_its_unit_and_leaves_no_process(
 
 
 @pytest.mark.slow  # 100 s here: a Prefect server starts, then Dask gives up on the workers that cannot start
-def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir):
+def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allennlp_dir, prefect_home):
     import os
 
     from elmo_core.vectors.embed import EmbedConfig
@@ -347,7 +347,7 @@ def test_run_on_dask_in_a_script_without_its_main_guard_says_so(tmp_path, allenn
     script.write_text(DASK_SCRIPT.replace('if __name__ == "__main__":\n    ', ""))
     source = _text(tmp_path / "a.txt", 20, 5)  # a real input: the workers start when its units are sent
     config = EmbedConfig(model=str(allennlp_dir), input=str(source), out=str(tmp_path / "emb"))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home(tmp_path / "prefect"))}
     result = subprocess.run(
         [sys.executable, str(script), config.model_dump_json()],
         cwd=ROOT,

@@ -693,7 +693,7 @@ def test_a_full_tracking_store_is_a_warning_and_the_training_goes_on(tmp_path, f
 
 @pytest.mark.slow
 @pytest.mark.prefect
-def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table):
+def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table, prefect_home):
     """The flows' runner maps a full disk as the command does: the flow fails with the one line, no traceback."""
     from elmo_core.options import EmbedConfig
     from tests.helpers import run_module
@@ -701,7 +701,10 @@ def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table):
     with tmpfs(tmp_path / "disk", 4096) as disk:  # the table fits: another process fills the disk as it runs
         out = disk / "table"
         config = EmbedConfig(model=str(MODEL), input=str(dataset), out=str(out), unit_tokens=1000)
-        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}  # the flow's own temporary Prefect server
+        env = {
+            **os.environ,
+            "PREFECT_HOME": str(prefect_home(tmp_path / "prefect")),
+        }  # the flow's own temporary Prefect server
         command = [sys.executable, "-m", "flows.embed", config.model_dump_json()]
         job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300

@@ -215,7 +215,7 @@ def test_elmo_embed_embeds_the_test_split(tmp_path, allennlp_dir):
 
 
 @pytest.mark.slow
-def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tmp_path):
+def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tmp_path, prefect_home):
     import os
 
     from mlflow.tracking import MlflowClient
@@ -231,7 +231,7 @@ def test_the_pipeline_trains_on_train_and_reports_heldout_and_test_perplexity(tm
         "vocab": {"min_count": 1},
         "train": {"preset": "tiny", "max_steps": 4, "batch_size": 4, "unroll_steps": 5, "n_negative_samples_batch": 16},
     }
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": ""}
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home(tmp_path / "prefect")), "MLFLOW_TRACKING_URI": ""}
     result = run_module("flows.pipeline", json.dumps(params), env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = result.stdout + result.stderr  # the flow's prints go through Prefect's logger
