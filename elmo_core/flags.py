@@ -81,6 +81,7 @@ def add_fields(parser: argparse.ArgumentParser, model: type[BaseModel], position
             options.update(type=_structured, metavar="JSON|FILE")
         else:
             options.update(type=_scalar(kind, nullable), metavar=_METAVARS.get(kind, "VALUE"))
+        options["help"] = options["help"].replace("%", "%%")  # argparse formats help with %: "2%" must read "2%%"
         if name in positional:
             if field.is_required():
                 options.pop("default")
