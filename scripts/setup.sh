@@ -10,9 +10,10 @@ TORCH=$(.venv/bin/python -c "import torch" 2>/dev/null || echo "torch==${ELMO_TO
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }  # pip's registry-mirror notices; status kept
 
 # uv installs the same packages as pip from the same sources in about half the time (a fresh .venv and empty
-# caches on a 2-vCPU AVX2 EPYC: 106-124 s against pip's 201 s, bytecode compiled by both). It reads none of pip's configuration, so pip's sources are
-# handed to it (scripts/pip_sources.py), and it weighs every index as pip does (unsafe-best-match: the highest
-# version wherever it lies). Where uv cannot be had or fails, pip does the whole install.
+# caches on a 2-vCPU AVX2 EPYC: 106-124 s against pip's 201 s, bytecode compiled by both). It reads none of pip's
+# configuration, so pip's sources are handed to it (scripts/pip_sources.py), and it weighs every index as pip does
+# (unsafe-best-match: the highest version wherever it lies). Where uv cannot be had or fails, pip does the whole
+# install.
 install_with_uv() {
   quiet .venv/bin/python -m pip install -q uv || return 1
   local sources

@@ -53,13 +53,15 @@ def test_every_command_prints_its_help():
     import io
 
     from elmo_core.cli import build_parser
+    from tests.test_options import _subparsers
 
     parser = build_parser()
-    commands = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
-    assert {"train", "promote", "embed", "serve"} <= set(commands)
-    for name in commands:
+    commands = _subparsers(parser)
+    assert {"train", "promote", "embed", "serve", "probe"} <= set(commands)
+    asked = [[name] for name in commands] + [["probe", name] for name in _subparsers(commands["probe"])]
+    for words in asked:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as ended:
-            parser.parse_args([name, "--help"])
-        assert ended.value.code == 0 and f"elmo {name}" in printed.getvalue(), name
+            parser.parse_args([*words, "--help"])
+        assert ended.value.code == 0 and f"elmo {' '.join(words)}" in printed.getvalue(), words
     assert "2% lower" in commands["train"].format_help()

@@ -701,10 +701,8 @@ def test_the_embed_flow_says_the_same_line(tmp_path, dataset, table, prefect_hom
     with tmpfs(tmp_path / "disk", 4096) as disk:  # the table fits: another process fills the disk as it runs
         out = disk / "table"
         config = EmbedConfig(model=str(MODEL), input=str(dataset), out=str(out), unit_tokens=1000)
-        env = {
-            **os.environ,
-            "PREFECT_HOME": str(prefect_home(tmp_path / "prefect")),
-        }  # the flow's own temporary Prefect server
+        # the flow's own temporary Prefect server
+        env = {**os.environ, "PREFECT_HOME": str(prefect_home(tmp_path / "prefect"))}
         command = [sys.executable, "-m", "flows.embed", config.model_dump_json()]
         job = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 300

@@ -188,10 +188,8 @@ def test_the_cli_and_the_prefect_flow_of_a_stage_write_the_same_table(tmp_path, 
     config = EmbedConfig(
         model=str(allennlp_dir), input=str(source), out=str(tmp_path / "flow"), unit_tokens=40, tokenizer="unicode"
     )
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(prefect_home(tmp_path / "prefect")),
-    }  # the flow's own temporary Prefect server
+    # the flow's own temporary Prefect server
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home(tmp_path / "prefect"))}
     flow = run_module("flows.embed", config.model_dump_json(), env=env)
     assert flow.returncode == 0, flow.stderr[-2000:]
     by_cli, by_flow = _table(tmp_path / "cli"), _table(tmp_path / "flow")
