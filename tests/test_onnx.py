@@ -39,7 +39,11 @@ for case in cases:
     ids = np.load(case["ids"])
     layers, mask = session.run(None, {"char_ids": ids})
     alone = [session.run(None, {"char_ids": ids[i : i + 1, : int(mask[i].sum())]})[0][:, 0] for i in range(len(ids))]
-    np.savez(case["out"], layers=layers, mask=mask, **{f"alone_{i}": a for i, a in enumerate(alone)})
+    # each distinct token alone (as the torch-free server keeps words), its layer 0 passed back as token_embeddings
+    rows, inverse = np.unique(ids.reshape(-1, ids.shape[-1]), axis=0, return_inverse=True)
+    words = session.run(None, {"char_ids": rows[:, None]})[0][0, :, 0, : layers.shape[-1] // 2]
+    given = session.run(None, {"char_ids": ids, "token_embeddings": words[inverse.reshape(ids.shape[:2])]})[0]
+    np.savez(case["out"], layers=layers, mask=mask, given=given, **{f"alone_{i}": a for i, a in enumerate(alone)})
     json.dump(meta, open(case["out"] + ".meta.json", "w"))
 assert "torch" not in sys.modules, "onnxruntime's run imported torch"
 print("torch-free")
@@ -73,7 +77,8 @@ def _run_torch_free(tmp_path: Path, cases: dict[str, tuple[Path, list[list[str]]
 
 def _check(found: dict, expected: list[np.ndarray], tolerance: float = 1e-5) -> float:
     """The file's padded layers against the runtime's per sentence: equal where a token is, zero where none is; each
-    sentence alone equal to its row of the batch. Returns the largest difference."""
+    sentence alone equal to its row of the batch, and so is the batch given its words' layer 0 (each word run alone)
+    as ``token_embeddings``. Returns the largest difference."""
     layers, mask = found["layers"], found["mask"]
     worst = 0.0
     for i, ours in enumerate(expected):
@@ -82,6 +87,8 @@ def _check(found: dict, expected: list[np.ndarray], tolerance: float = 1e-5) -> 
         worst = max(worst, float(np.abs(layers[:, i, :n] - ours).max()))
         assert not layers[:, i, n:].any()  # padding: zeros, as the runtime's padded layers
         assert np.abs(found[f"alone_{i}"] - layers[:, i, :n]).max() < 1e-6  # the batch changes nothing
+        worst = max(worst, float(np.abs(found["given"][:, i, :n] - ours).max()))
+        assert not found["given"][:, i, n:].any()
     assert worst < tolerance, worst
     return worst
 
@@ -214,9 +221,17 @@ def test_the_docs_python_example_runs_without_torch(tmp_path, allennlp_dir):
 
 
 @pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
+
+
 def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
     """`elmo serve FILE.onnx` beside `elmo serve FOLDER`: /embed (every layer, the mix with weights, the mean, in
-    base64) and /v1/embeddings equal within 1e-5, the same model id named; its model process never maps torch."""
+    base64) and /v1/embeddings equal within 1e-5, the same model id named; its model process never maps torch. The
+    words' layer 0 is computed with the first request and kept: the later ones take it from the word cache."""
     import base64
 
     import httpx
@@ -241,8 +256,10 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
         for (pid,) in [_worker_pids(onnx_url)]:
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert "libtorch" not in maps and "onnxruntime" in maps
+        new_words = []
         for path, body in requests:
             answers = [httpx.post(url + path, json=body, timeout=60) for url in (torch_url, onnx_url)]
+            new_words.append(_metric(onnx_url, "elmo_new_words_total"))
             assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
             ours, theirs = (a.json() for a in answers)
             if path == "/embed":
@@ -254,6 +271,7 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
                     raw = np.frombuffer(base64.b64decode(value), "<f4") if isinstance(value, str) else np.array(value)
                     vectors.append(raw.astype(np.float32))
                 assert vectors[0].shape == vectors[1].shape and np.abs(vectors[0] - vectors[1]).max() < 1e-5, path
+        assert new_words[0] > 0 and set(new_words) == {new_words[0]}, new_words  # each word once
     finally:
         stop_group(torch_server)
         stop_group(onnx_server)

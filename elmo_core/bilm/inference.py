@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION
+from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION, WORD_CACHE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ class Embeds(Protocol):
 
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward pass: large enough for efficient matmuls, bounded memory
 CACHE_TOKENS = 65_536  # tokens whose distinct words share one token table
-# layer-0 vectors a process keeps: 524k words of the small shape, 131k of the original. 64 MiB (32k words of the
-# original) thrashed on a corpus of 45k distinct words: bench/manylangs.py's 16,384 sentences in int8 ran at 2,736
-# tok/s with it, 2,876 with this. Memory is taken only as words are seen.
-WORD_CACHE_BYTES = 256 << 20
 STATEFUL_BATCH_SIZE = 64  # rows per call of the stateful protocol, as AllenNLP's ElmoEmbedder
 
 

@@ -4,6 +4,7 @@
       ─► <S>/</S> added around each sentence, in the graph (AllenNLP's ``_ElmoBiLm`` does the same)
       ─► token encoder: char embedding, one Conv per filter width, max over positions, activation, highways,
          projection                                                                   = e (B, T+2, P)
+         or, where the caller passes ``token_embeddings`` (B, T, P), those with the boundaries' rows around them
       ─► per layer and direction a Scan over time of TensorFlow's LSTMCell with projection and clips; the backward
          direction reads each sentence reversed within its own length (ReverseSequence); the residual for layers ≥ 1
       ─► layers (L+1, B, T, 2P) float32: [e; e], [fwd_1; bwd_1], … with the boundaries removed, zero at padding;
@@ -16,6 +17,12 @@ outer graph: the file is the size of the biLM's float32 parameters (the softmax 
 are dynamic. The arithmetic is ``lstm_math.reference_gates`` and ``model.CharCNN``'s, in float32; the input
 products of a layer run once for all steps before the loop, as the runtime's ``LstmCell.steps`` does.
 
+``token_embeddings`` is optional (an input with an empty default, left out of ``InferenceSession.get_inputs``):
+the first P columns of layer 0 that an earlier run gave these tokens. A word's layer 0 depends on the word alone,
+and the token encoder is about half of a run of short sentences (the small shape, groups of 6 sentences on a 2-vCPU
+Xeon: 1.40 s of 3.04 s), so a caller that keeps it per word (``elmo serve FILE.onnx`` does, as the runtime's
+``WordCache``) pays it once per word instead of once per run. Given, the char ids only mark where the sentences end.
+
 Opset 17 (ONNX Runtime 1.13 and later, Triton's onnxruntime backend since 22.11); the file's metadata names the
 exporter, the opset and the model's exact identity (``runtime.reference.ModelRef.identity``).
 """
@@ -23,6 +30,7 @@ exporter, the opset and the model's exact identity (``runtime.reference.ModelRef
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +42,7 @@ from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY
 OPSET = 17
 IR_VERSION = 8  # the IR of opset 17: files that older runtimes still open
 INPUT, LAYERS, MASK = "char_ids", "layers", "mask"
+TOKEN_EMBEDDINGS = "token_embeddings"  # optional: layer 0 as an earlier run gave it (module docstring)
 DICTIONARIES = ONNX_METADATA_KEY  # an ELMoForManyLangs model's char.dic and word.dic (``Dictionaries.state``)
 
 
@@ -71,8 +80,16 @@ class _Graph:
         return names[0] if outputs == 1 else names
 
 
-def _boundaries(g: _Graph, char_ids: str, bos: np.ndarray, eos: np.ndarray) -> tuple[str, str, str]:
-    """(ids with <S> at 0 and </S> after each sentence's last token (B, T+2, C), lengths (B,), mask (B, T))."""
+@dataclass(frozen=True)
+class _Boundaries:
+    ids: str  # (B, T+2, C): <S> at 0 and </S> after each sentence's last token
+    lengths: str  # (B,), the boundaries counted
+    mask: str  # (B, T) int64
+    at_bos: str  # (1, T+2, 1) bool
+    at_eos: str  # (B, T+2, 1) bool
+
+
+def _boundaries(g: _Graph, char_ids: str, bos: np.ndarray, eos: np.ndarray) -> _Boundaries:
     present = g.op("Greater", [char_ids, g.const(0)])
     mask = g.op("ReduceMax", [g.op("Cast", [present], to=7)], axes=[2], keepdims=0, hint="mask")  # (B, T) int64
     lengths = g.op("ReduceSum", [mask, g.const([1])], keepdims=0, hint="lengths")
@@ -84,7 +101,32 @@ def _boundaries(g: _Graph, char_ids: str, bos: np.ndarray, eos: np.ndarray) -> t
     at_eos = g.op("Equal", [position, end])
     ids = g.op("Where", [at_eos, g.const(eos.reshape(1, 1, -1)), padded])
     ids = g.op("Where", [at_bos, g.const(bos.reshape(1, 1, -1)), ids], hint="ids")
-    return ids, g.op("Add", [lengths, g.const(2)], hint="lengths_with_boundaries"), mask
+    return _Boundaries(ids, g.op("Add", [lengths, g.const(2)], hint="lengths_with_boundaries"), mask, at_bos, at_eos)
+
+
+def _branch(g: _Graph, hint: str, make: Any) -> Any:
+    """``make(g)``'s nodes as a graph of their own (an ``If`` branch) whose output is what ``make`` returns."""
+    outer, g.nodes = g.nodes, []
+    out = make(g)
+    branch = g.helper.make_graph(g.nodes, g.name(hint), [], [g.helper.make_tensor_value_info(out, 1, None)])
+    g.nodes = outer
+    return branch
+
+
+def _token_layer(g: _Graph, bilm: BiLM, edges: _Boundaries) -> str:
+    """(B, T+2, P): the token encoder over the chars, or ``token_embeddings`` where the caller gives them (module
+    docstring), with the boundaries' rows (computed here, at export) around each sentence."""
+    with torch.no_grad():
+        bos, eos = _array(bilm.token_encoder(bilm.boundary_char_ids))
+
+    def given(g: _Graph) -> str:
+        padded = g.op("Pad", [TOKEN_EMBEDDINGS, g.const([0, 1, 0, 0, 1, 0])])
+        with_eos = g.op("Where", [edges.at_eos, g.weight("eos_embedding", eos.reshape(1, 1, -1)), padded])
+        return g.op("Where", [edges.at_bos, g.weight("bos_embedding", bos.reshape(1, 1, -1)), with_eos])
+
+    has = g.op("Greater", [g.op("Size", [TOKEN_EMBEDDINGS]), g.const(0)])
+    then, otherwise = _branch(g, "given", given), _branch(g, "chars", lambda g: _token_encoder(g, bilm, edges.ids))
+    return g.op("If", [has], hint="token_embeddings", then_branch=then, else_branch=otherwise)
 
 
 def _token_encoder(g: _Graph, bilm: BiLM, ids: str) -> str:
@@ -245,8 +287,9 @@ def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> An
     import onnx
 
     g = _Graph()
-    ids, lengths, mask = _boundaries(g, INPUT, *(b.cpu().numpy().astype(np.int64) for b in bilm.boundary_char_ids))
-    e = _token_encoder(g, bilm, ids)
+    edges = _boundaries(g, INPUT, *(b.cpu().numpy().astype(np.int64) for b in bilm.boundary_char_ids))
+    lengths, mask = edges.lengths, edges.mask
+    e = _token_layer(g, bilm, edges)
     cfg = bilm.config.lstm
     clips = (cfg.cell_clip, cfg.proj_clip)
     layers = [g.op("Concat", [e, e], axis=2)]
@@ -269,13 +312,16 @@ def build(bilm: BiLM, metadata: dict[str, str], batch_first: bool = False) -> An
     width = 2 * cfg.projection_dim
     layers_shape = ["batch", cfg.n_layers + 1] if batch_first else [cfg.n_layers + 1, "batch"]
     layers_shape += ["tokens", width]
+    dim = cfg.projection_dim
+    g.initializers.append(g.numpy_helper.from_array(np.zeros((0, 0, dim), np.float32), TOKEN_EMBEDDINGS))  # default
     graph = g.helper.make_graph(
         g.nodes,
         "elmo_bilm",
         [
             g.helper.make_tensor_value_info(
                 INPUT, onnx.TensorProto.INT64, ["batch", "tokens", bilm.boundary_char_ids.shape[-1]]
-            )
+            ),
+            g.helper.make_tensor_value_info(TOKEN_EMBEDDINGS, onnx.TensorProto.FLOAT, ["batch", "tokens", dim]),
         ],
         [
             g.helper.make_tensor_value_info(LAYERS, onnx.TensorProto.FLOAT, layers_shape),

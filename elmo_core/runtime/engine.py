@@ -29,7 +29,6 @@ from torch import Tensor
 from elmo_core import cpu, heap
 from elmo_core.bilm.inference import (
     MAX_BATCH_TOKENS,
-    WORD_CACHE_BYTES,
     StateCarry,
     WordCache,
     plan_batches,
@@ -38,7 +37,7 @@ from elmo_core.bilm.inference import (
 )
 from elmo_core.bilm.model import BiLM
 from elmo_core.config import ModelConfig
-from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION
+from elmo_core.defaults import DEFAULT_DEVICE, DEFAULT_INFERENCE_PRECISION, WORD_CACHE_BYTES
 from elmo_core.errors import ConfigError
 from elmo_core.runtime.output import ALL_LAYERS, Output
 from elmo_core.runtime.placement import Placement, place, take_threads

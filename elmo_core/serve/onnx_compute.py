@@ -5,6 +5,7 @@ needs neither torch nor the C kernels).
 The same contract as ``compute.BatchEmbedder`` (``warm_up``, ``info``, ``run``), and the same answers: a sentence's
 layers are the file's (equal to the runtime's within 1e-5, ``tests/test_onnx.py``), its mix γ·softmax(w)·layers
 and its mean over tokens computed here as the runtime's ``Output`` computes them, encoded by the same ``encode``.
+Like the runtime, the process keeps each word's layer 0 (``OnnxWords``), so a word pays the token encoder once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from elmo_core import cpu
+from elmo_core.defaults import WORD_CACHE_BYTES
 from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Answer, Batch, Output
 from elmo_core.serve.encode import encode
@@ -27,6 +30,8 @@ from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
 log = logging.getLogger(__name__)
 
 WARM_UP = [["The", "first", "call", "pays", "for", "what", "the", "rest", "reuse", "."], ["Warm", "."]]
+CHAR_IDS, TOKEN_EMBEDDINGS = "char_ids", "token_embeddings"  # the file's inputs (``bilm.onnx_export``, torch-free here)
+NEW_WORDS_A_RUN = 1024  # new words run as one-token sentences, this many a run
 
 
 def char_ids(sentences: list[list[str]], dictionaries: Dictionaries | None = None) -> np.ndarray:
@@ -77,6 +82,42 @@ def similar_lengths(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+class OnnxWords:
+    """Layer 0 of the words this process has seen, as the file gave it (the first P columns of ``layers[0]``), least
+    recently used dropped first past ``max_bytes``, never a word of the batch at hand: the runtime's ``WordCache``
+    without torch. The token encoder is about half of a run of short sentences (``bilm.onnx_export``), and the
+    torch server pays it only for words it has not seen; so a batch's new words run first, each as a sentence of
+    its own (a word's layer 0 depends on the word alone), and every run of the batch then passes its rows as the
+    file's optional ``token_embeddings``, which skips the encoder."""
+
+    def __init__(self, session: Any, dictionaries: Dictionaries | None, dim: int, max_bytes: int) -> None:
+        self.session, self.dictionaries, self.dim = session, dictionaries, dim
+        self.capacity = max(1, max_bytes // (4 * dim))
+        self.rows: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def learn(self, words: list[str]) -> int:
+        """Keeps every one of ``words`` (distinct), computing those not kept; returns how many were computed."""
+        missing = [word for word in words if word not in self.rows]
+        for start in range(0, len(missing), NEW_WORDS_A_RUN):
+            chunk = missing[start : start + NEW_WORDS_A_RUN]
+            layers, _ = self.session.run(None, {CHAR_IDS: char_ids([[word] for word in chunk], self.dictionaries)})
+            for word, row in zip(chunk, layers[0, :, 0, : self.dim]):
+                self.rows[word] = row.copy()  # a view would keep the run's whole output alive
+        for word in words:
+            self.rows.move_to_end(word)
+        while len(self.rows) > max(self.capacity, len(words)):
+            self.rows.popitem(last=False)
+        return len(missing)
+
+    def embeddings(self, sentences: list[list[str]]) -> np.ndarray:
+        """(B, T, P) float32 of sentences whose words are all kept, zeros at padding."""
+        table = np.zeros((len(sentences), max(map(len, sentences)), self.dim), dtype=np.float32)
+        for row, sentence in enumerate(sentences):
+            if sentence:
+                table[row, : len(sentence)] = np.stack([self.rows[word] for word in sentence])
+        return table
+
+
 class OnnxEmbedder:
     """One model process's ONNX Runtime session, opened and warmed once, then batch after batch."""
 
@@ -87,12 +128,16 @@ class OnnxEmbedder:
         options = onnxruntime.SessionOptions()
         self.threads = cpu.thread_share() or os.cpu_count() or 1  # this process's share of the cores
         options.intra_op_num_threads, options.inter_op_num_threads = self.threads, 1
+        # errors only: ONNX Runtime warns at every load that an input with a default (``token_embeddings``) is no
+        # constant, which is what makes it optional (docs/onnx.md)
+        options.log_severity_level = 3
         self.session = onnxruntime.InferenceSession(str(model.options), options, providers=["CPUExecutionProvider"])
         self.version = onnxruntime.__version__
         carried = self.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
         self.dictionaries = Dictionaries.from_state(json.loads(carried), str(model.options)) if carried else None
         self.n_layers = int(self.session.get_outputs()[0].shape[0])
         self.width = int(self.session.get_outputs()[0].shape[-1])
+        self.words = OnnxWords(self.session, self.dictionaries, self.width // 2, WORD_CACHE_BYTES)
         log.info("%s", self.line())
 
     def line(self) -> str:
@@ -134,10 +179,16 @@ class OnnxEmbedder:
         embeddings: list[bytes] = [b""] * n
         if not batch.sentences:
             return Answer(batch.id, shapes, embeddings, 0.0)
+        words = list(dict.fromkeys(token for sentence in batch.sentences for token in sentence))
+        new_words = self.words.learn(words)
         for group in similar_lengths([len(s) for s in batch.sentences]):
             sentences = [batch.sentences[i] for i in group]
             if any(sentences):
-                layers, _ = self.session.run(None, {"char_ids": char_ids(sentences, self.dictionaries)})
+                feed = {
+                    CHAR_IDS: char_ids(sentences, self.dictionaries),
+                    TOKEN_EMBEDDINGS: self.words.embeddings(sentences),
+                }
+                layers, _ = self.session.run(None, feed)
             else:  # only empty sentences: nothing for the file to run
                 layers = np.zeros((self.n_layers, len(group), 0, self.width), dtype=np.float32)
             for row, i in enumerate(group):
@@ -145,5 +196,4 @@ class OnnxEmbedder:
                 array = shaped(layers[:, row, : len(batch.sentences[i])], spec)
                 shapes[i] = array.shape
                 embeddings[i] = encode(array, spec)
-        distinct = len({token for sentence in batch.sentences for token in sentence})
-        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, distinct, distinct)
+        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, len(words), new_words)
