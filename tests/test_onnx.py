@@ -221,13 +221,6 @@ def test_the_docs_python_example_runs_without_torch(tmp_path, allennlp_dir):
 
 
 @pytest.mark.slow  # a server, a store or a tmpfs of its own: the quick loop keeps the parity test
-def _metric(url: str, name: str) -> float:
-    import httpx
-
-    lines = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
-
-
 def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
     """`elmo serve FILE.onnx` beside `elmo serve FOLDER`: /embed (every layer, the mix with weights, the mean, in
     base64) and /v1/embeddings equal within 1e-5, the same model id named; its model process never maps torch. The
@@ -236,7 +229,7 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
 
     import httpx
 
-    from tests.test_serve import _ready, _serve, _worker_pids
+    from tests.test_serve import _ready, _serve, _worker_pids, metric
 
     _export(str(allennlp_dir), tmp_path / "elmo.onnx")
     (tmp_path / "torch").mkdir()
@@ -259,7 +252,7 @@ def test_the_torch_free_server_answers_as_the_torch_one(tmp_path, allennlp_dir):
         new_words = []
         for path, body in requests:
             answers = [httpx.post(url + path, json=body, timeout=60) for url in (torch_url, onnx_url)]
-            new_words.append(_metric(onnx_url, "elmo_new_words_total"))
+            new_words.append(metric(onnx_url, "elmo_new_words_total"))
             assert all(a.status_code == 200 for a in answers), [a.text[:300] for a in answers]
             ours, theirs = (a.json() for a in answers)
             if path == "/embed":
