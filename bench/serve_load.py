@@ -62,6 +62,7 @@ from elmo_core.config import preset  # noqa: E402
 import torch  # noqa: E402
 
 CLIENT_TIMEOUT_S = 60.0
+SERVER_ENV: dict[str, str] = {}  # --server-env: set for the servers alone, not for the baselines in this process
 
 
 def free_port() -> int:
@@ -132,8 +133,30 @@ def mlflow_target(base: str) -> Target:
     )
 
 
-async def closed_loop(target: Target, sentences: list[list[str]], clients: int, seconds: float) -> dict:
-    """``clients`` clients, each sending its next sentence when the last is answered."""
+def cpu_seconds(pid: int | None) -> dict[str, float]:
+    """CPU seconds so far (user + system) of this process (the clients), and of the server's processes: the one
+    given (HTTP) and its children (the model processes), so that a row says where the two cores went."""
+
+    def used(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    seconds = {"clients": used(psutil.Process())}
+    if pid is not None:
+        try:
+            root = psutil.Process(pid)
+            seconds["http"] = used(root)
+            seconds["model"] = sum(used(child) for child in root.children(recursive=True))
+        except psutil.Error:
+            pass
+    return seconds
+
+
+async def closed_loop(
+    target: Target, sentences: list[list[str]], clients: int, seconds: float, server_pid: int | None = None
+) -> dict:
+    """``clients`` clients, each sending its next sentence when the last is answered; the CPU each side used while
+    measured (``cpu``: seconds per second of the run, by process)."""
     latencies: list[float] = []
     statuses: dict[int | str, int] = {}
     tokens = 0
@@ -164,9 +187,11 @@ async def closed_loop(target: Target, sentences: list[list[str]], clients: int, 
 
         warm = time.perf_counter() + min(2.0, seconds / 4)
         await asyncio.gather(*(client_loop(warm, False) for _ in range(clients)))
+        cpu_before = cpu_seconds(server_pid)
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(started + seconds, True) for _ in range(clients)))
         elapsed = time.perf_counter() - started
+        cpu_after = cpu_seconds(server_pid)
     q = np.percentile(latencies, [50, 95, 99]) * 1000 if latencies else [float("nan")] * 3
     return {
         "tokens_per_s": tokens / elapsed,
@@ -175,6 +200,7 @@ async def closed_loop(target: Target, sentences: list[list[str]], clients: int, 
         "p95": q[1],
         "p99": q[2],
         "errors": {k: v for k, v in statuses.items() if k != 200},
+        "cpu": {k: (cpu_after[k] - cpu_before[k]) / elapsed for k in cpu_after if k in cpu_before},
     }
 
 
@@ -260,7 +286,8 @@ def start_serve(model_dir: Path, precision: str, log: Path, *flags: str) -> tupl
     port = free_port()
     command = [sys.executable, "-m", "elmo_core.cli", "serve", str(model_dir), "--port", str(port)]
     command += ["--precision", precision, *flags]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = {**os.environ, **SERVER_ENV}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_for(f"http://127.0.0.1:{port}/ready", process)
     return process, f"http://127.0.0.1:{port}"
 
@@ -287,9 +314,10 @@ def start_mlflow(model_dir: Path, work: Path, log: Path) -> tuple[subprocess.Pop
 
 def row(name: str, clients: int, result: dict, batch_job: float) -> str:
     errors = ", ".join(f"{k}: {v}" for k, v in result["errors"].items()) or "-"
+    cpu = " ".join(f"{k} {v:.2f}" for k, v in result["cpu"].items())
     return (
         f"{name:<28}{clients:>5}{result['tokens_per_s']:>11,.0f}{result['tokens_per_s'] / batch_job:>9.2f}"
-        f"{result['p50']:>9.1f}{result['p95']:>9.1f}{result['p99']:>9.1f}  {errors}"
+        f"{result['p50']:>9.1f}{result['p95']:>9.1f}{result['p99']:>9.1f}  {errors}  cores: {cpu}"
     )
 
 
@@ -323,7 +351,7 @@ def worker_alone(model_dir: Path, sentences: list[list[str]], size: int, precisi
         resolve_model(str(model_dir)).pinned(), placed.device, placed.precision, placed.precision.why, 4096
     )
     rng = random.Random(0)
-    batches = [rng.sample(sentences, size) for _ in range(rounds)]
+    batches = [rng.choices(sentences, k=size) for _ in range(rounds)]
     for batch in batches:
         embedder.run(Batch(0, batch, [0] * size, [Output("mean", encoding="base64")]))
     started = time.perf_counter()
@@ -424,6 +452,9 @@ def main() -> None:
         default="embed_sentences",
         help="x batch against embed_sentences over the whole pool, or ElmoEmbedder.embed_batch of 64 (issue 65)",
     )
+    parser.add_argument(
+        "--server-env", action="append", default=[], help="KEY=VALUE in the servers' environment alone (repeatable)"
+    )
     parser.add_argument("--skip", default="", help="any of mlflow, off, burst, synthetic, onnx")
     parser.add_argument(
         "--token-encodings", default="float,base64,binary", help="every layer per token at the top concurrency, as"
@@ -439,6 +470,7 @@ def main() -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)  # burst: sockets
+    SERVER_ENV.update(item.split("=", 1) for item in args.server_env)
     skip = set(filter(None, args.skip.split(",")))
     levels = [int(c) for c in args.concurrency.split(",")]
     threads = torch.get_num_threads()
@@ -482,13 +514,16 @@ def main() -> None:
         print("-" * len(header))
         results: dict[tuple[str, int], dict] = {}
 
+        server_pid: int | None = None  # the server measured now: its processes' CPU goes in each row
+
         def run(target: Target, clients: int, sentences: list[list[str]], ceiling_: float, label: str = "") -> dict:
-            result = asyncio.run(closed_loop(target, sentences, clients, args.seconds))
+            result = asyncio.run(closed_loop(target, sentences, clients, args.seconds, server_pid))
             results[(target.name + label, clients)] = result
             print(row(target.name + label, clients, result, ceiling_), flush=True)
             return result
 
         server, base = start_serve(model_dir, args.precision, work / "serve.log")
+        server_pid = server.pid
         try:
             if args.precision == "fp32":
                 print(
@@ -523,6 +558,7 @@ def main() -> None:
             stop(server)
         if "off" not in skip:
             server, base = start_serve(model_dir, args.precision, work / "serve-off.log", "--no-batching")
+            server_pid = server.pid
             try:
                 for clients in levels:
                     run(serve_target("elmo serve, batching off", base), clients, real, batch_job)
@@ -534,6 +570,7 @@ def main() -> None:
 
             export_onnx(OnnxConfig(model=str(model_dir), out=str(work / "model.onnx")))
             server, base = start_serve(work / "model.onnx", "fp32", work / "serve-onnx.log")
+            server_pid = server.pid
             try:
                 for clients in levels:
                     run(serve_target("elmo serve FILE.onnx", base), clients, real, batch_job)
@@ -544,6 +581,7 @@ def main() -> None:
                 stop(server)
         if "mlflow" not in skip:
             server, base = start_mlflow(model_dir, work, work / "mlflow.log")
+            server_pid = server.pid
             try:
                 for clients in levels:
                     run(mlflow_target(base), clients, real, batch_job)
