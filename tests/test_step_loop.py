@@ -104,6 +104,26 @@ def test_inputs_that_are_not_one_tensor_s_splits_are_copied_first():
         torch.testing.assert_close(x, z, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_thread_count_gives_the_same_numbers(threads):
+    """Two threads run a direction each, without meeting; one, both in turn; three or more, a team over both that
+    meets after each part of a step. Every way gives the steps written out in PyTorch, rows dropping out."""
+    torch.manual_seed(2)
+    hidden, proj, sizes = 96, 80, [5, 5, 4, 2, 2, 1]  # 4H = 6 panels and P = 2 panels (one of them partly padding)
+    gates = torch.randn(2, sum(sizes), 4 * hidden)
+    w_hh, w_hr = torch.randn(2, proj, 4 * hidden) * 0.2, torch.randn(2, hidden, proj) * 0.2
+    h, c = torch.randn(2, 5, proj), torch.randn(2, 5, hidden)
+    weights = {"w_hh": step_loop.panels(w_hh), "w_hr": step_loop.panels(w_hr), "cell_clip": 1.0, "proj_clip": 0.5}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        looped = step_loop.lstm_steps(list(gates.split(sizes, dim=1)), sizes, h, c, **weights)
+    finally:
+        torch.set_num_threads(before)
+    for x, y in zip(looped, _python_steps(gates, sizes, h, c, w_hh, w_hr, 1.0, 0.5), strict=True):
+        torch.testing.assert_close(x, y, atol=2e-6, rtol=0)
+
+
 def _python_steps(gates, sizes, h, c, w_hh, w_hr, cell_clip, proj_clip):
     """The steps written out in PyTorch around the reference gates; rows that end keep their last state."""
     h, c, outputs, first = h.clone(), c.clone(), [], 0

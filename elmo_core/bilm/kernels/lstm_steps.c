@@ -13,6 +13,9 @@
  * the numbers agree with the step in Python to a few 1e-7.
  */
 #include "lstm_math.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PANEL 64 /* the weights come in panels of 64 columns, each (K, 64) contiguous: read in order, once */
 #if defined(__AVX512F__)
@@ -88,6 +91,91 @@ static void gates(const float *restrict y, const float *restrict b, const float 
 
 #define CELL_BLOCK 256
 
+/* The shapes and pointers of one call, shared by whatever runs its parts. */
+typedef struct {
+    int64_t steps, proj, hidden, width, rows, n_packed, x_dir, rows_dir, gate_panels, g_width, proj_panels, p_width,
+        cell_blocks;
+    const int64_t *batch_sizes, *x_rows;
+    const float *x, *bias, *w_hh, *w_hr;
+    float *h, *c, *out, *y, *m, *p;
+    float cell_clip, proj_clip;
+} Steps;
+
+/* Part 1 of a step, one panel of one direction: y = h W_hh^T. */
+static void gate_panel(const Steps *s, int64_t d, int64_t panel, int64_t n) {
+    product(s->h + d * s->rows * s->proj, s->proj, n, s->w_hh + (d * s->gate_panels + panel) * s->proj * PANEL,
+            s->proj, s->y + d * s->rows * s->g_width + panel * PANEL, s->g_width);
+}
+
+/* Part 2, one block of cells of one row: the gates. */
+static void cell_block(const Steps *s, int64_t d, int64_t i, int64_t block, int64_t first) {
+    const int64_t j0 = block * CELL_BLOCK, j1 = j0 + CELL_BLOCK < s->hidden ? j0 + CELL_BLOCK : s->hidden;
+    const int64_t q = first + i, width = s->width;
+    const float *xi = s->x_rows ? s->x + s->x_rows[d * s->rows_dir + q] * width : s->x + d * s->x_dir + q * width;
+    gates(s->y + (d * s->rows + i) * s->g_width, s->bias + d * width, xi, s->c + (d * s->rows + i) * s->hidden,
+          s->m + (d * s->rows + i) * s->hidden, s->hidden, j0, j1, s->cell_clip);
+}
+
+/* Part 3, one panel of one direction: h' = clip(m W_hr^T), into the state and the output. */
+static void proj_panel(const Steps *s, int64_t d, int64_t panel, int64_t n, int64_t first) {
+    const int64_t j = panel * PANEL, proj = s->proj, hidden = s->hidden;
+    const int64_t cols = proj - j < PANEL ? proj - j : PANEL;
+    const float *from = s->m + d * s->rows * hidden + j; /* no projection: h' is m */
+    int64_t stride = hidden;
+    if (s->w_hr) {
+        product(s->m + d * s->rows * hidden, hidden, n, s->w_hr + (d * s->proj_panels + panel) * hidden * PANEL,
+                hidden, s->p + d * s->rows * s->p_width + j, s->p_width);
+        from = s->p + d * s->rows * s->p_width + j;
+        stride = s->p_width;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float *hi = s->h + (d * s->rows + i) * proj + j, *o = s->out + (d * s->n_packed + first + i) * proj + j;
+        for (int64_t k = 0; k < cols; k++) {
+            float v = from[i * stride + k];
+            v = v < -s->proj_clip ? -s->proj_clip : (v > s->proj_clip ? s->proj_clip : v);
+            hi[k] = v;
+            o[k] = v;
+        }
+    }
+}
+
+/* Every step of direction d in the calling thread alone: the two directions share nothing, so two threads run one
+ * each without meeting. Why: the shared team's three barriers a step cost little on idle cores, but where another
+ * process holds a core (a server's HTTP process beside its model process) one thread waits at each barrier for
+ * the other to be scheduled again: 36% of a server's model-process samples were libgomp's waiting. */
+static void direction_steps(const Steps *s, int64_t d) {
+    int64_t first = 0;
+    for (int64_t t = 0; t < s->steps; t++) {
+        const int64_t n = s->batch_sizes[t];
+        for (int64_t panel = 0; panel < s->gate_panels; panel++) gate_panel(s, d, panel, n);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t block = 0; block < s->cell_blocks; block++) cell_block(s, d, i, block, first);
+        for (int64_t panel = 0; panel < s->proj_panels; panel++) proj_panel(s, d, panel, n, first);
+        first += n;
+    }
+}
+
+/* Every step, both directions, in a team of `threads` that splits each part of a step and meets after it. */
+static void team_steps(const Steps *s, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first = 0; /* the packed row of this step's first row */
+        for (int64_t t = 0; t < s->steps; t++) {
+            const int64_t n = s->batch_sizes[t];
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < 2 * s->gate_panels; item++)
+                gate_panel(s, item / s->gate_panels, item % s->gate_panels, n);
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < 2 * n * s->cell_blocks; item++)
+                cell_block(s, item / (n * s->cell_blocks), (item / s->cell_blocks) % n, item % s->cell_blocks, first);
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < 2 * s->proj_panels; item++)
+                proj_panel(s, item / s->proj_panels, item % s->proj_panels, n, first);
+            first += n;
+        }
+    }
+}
+
 /* `steps` steps of both directions (2 x the same shapes, each direction's block after the other's). 4H and P padded
  * up to whole panels are G and Q (the padding columns of the panels are zeros).
  *   batch_sizes (steps,)  rows running at each step, non-increasing; rows = batch_sizes[0]
@@ -99,66 +187,32 @@ static void gates(const float *restrict y, const float *restrict b, const float 
  *                ends keeps its last state)
  *   out          (2, N, P): every step's h', packed as the input
  *   y, m, p      scratch (2, rows, G), (2, rows, H), (2, rows, Q)
- * cell_clip and proj_clip: INFINITY for none. Returns 0, or 1 for arguments it cannot run. */
+ * cell_clip and proj_clip: INFINITY for none. threads: 2 runs a direction per thread; more, a team over both.
+ * Returns 0, or 1 for arguments it cannot run. */
 int elmo_lstm_steps(int64_t steps, const int64_t *batch_sizes, int64_t proj, int64_t hidden, const float *x,
                    int64_t x_dir, const int64_t *x_rows, int64_t rows_dir, const float *bias, const float *w_hh,
                    const float *w_hr, float *h, float *c, float *out, int64_t n_packed, float *y, float *m, float *p,
                    float cell_clip, float proj_clip, int threads) {
     if (steps < 1 || batch_sizes[0] < 1 || (w_hr == NULL && proj != hidden)) return 1;
-    const int64_t rows = batch_sizes[0], width = 4 * hidden;
     for (int64_t t = 1; t < steps; t++)
         if (batch_sizes[t] < 1 || batch_sizes[t] > batch_sizes[t - 1]) return 1;
-    const int64_t gate_panels = (width + PANEL - 1) / PANEL, g_width = gate_panels * PANEL;
-    const int64_t proj_panels = (proj + PANEL - 1) / PANEL, p_width = proj_panels * PANEL;
-    const int64_t cell_blocks = (hidden + CELL_BLOCK - 1) / CELL_BLOCK;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first = 0; /* the packed row of this step's first row */
-        for (int64_t t = 0; t < steps; t++) {
-            const int64_t n = batch_sizes[t];
-            /* 1. y = h W_hh^T: each thread the same panels at every step */
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < 2 * gate_panels; item++) {
-                const int64_t d = item / gate_panels, panel = item % gate_panels;
-                product(h + d * rows * proj, proj, n, w_hh + (d * gate_panels + panel) * proj * PANEL, proj,
-                        y + d * rows * g_width + panel * PANEL, g_width);
-            }
-            /* 2. the gates, by blocks of cells */
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < 2 * n * cell_blocks; item++) {
-                const int64_t d = item / (n * cell_blocks), i = (item / cell_blocks) % n;
-                const int64_t j0 = (item % cell_blocks) * CELL_BLOCK;
-                const int64_t j1 = j0 + CELL_BLOCK < hidden ? j0 + CELL_BLOCK : hidden;
-                const int64_t q = first + i;
-                const float *xi = x_rows ? x + x_rows[d * rows_dir + q] * width : x + d * x_dir + q * width;
-                gates(y + (d * rows + i) * g_width, bias + d * width, xi, c + (d * rows + i) * hidden,
-                      m + (d * rows + i) * hidden, hidden, j0, j1, cell_clip);
-            }
-            /* 3. h' = clip(m W_hr^T), into the state and the output */
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < 2 * proj_panels; item++) {
-                const int64_t d = item / proj_panels, panel = item % proj_panels, j = panel * PANEL;
-                const int64_t cols = proj - j < PANEL ? proj - j : PANEL;
-                const float *from = m + d * rows * hidden + j; /* no projection: h' is m */
-                int64_t stride = hidden;
-                if (w_hr) {
-                    product(m + d * rows * hidden, hidden, n, w_hr + (d * proj_panels + panel) * hidden * PANEL, hidden,
-                            p + d * rows * p_width + j, p_width);
-                    from = p + d * rows * p_width + j;
-                    stride = p_width;
-                }
-                for (int64_t i = 0; i < n; i++) {
-                    float *hi = h + (d * rows + i) * proj + j, *o = out + (d * n_packed + first + i) * proj + j;
-                    for (int64_t k = 0; k < cols; k++) {
-                        float v = from[i * stride + k];
-                        v = v < -proj_clip ? -proj_clip : (v > proj_clip ? proj_clip : v);
-                        hi[k] = v;
-                        o[k] = v;
-                    }
-                }
-            }
-            first += n;
+    const int64_t width = 4 * hidden, gate_panels = (width + PANEL - 1) / PANEL;
+    const int64_t proj_panels = (proj + PANEL - 1) / PANEL;
+    const Steps s = {steps, proj, hidden, width, batch_sizes[0], n_packed, x_dir, rows_dir, gate_panels,
+                     gate_panels * PANEL, proj_panels, proj_panels * PANEL, (hidden + CELL_BLOCK - 1) / CELL_BLOCK,
+                     batch_sizes, x_rows, x, bias, w_hh, w_hr, h, c, out, y, m, p, cell_clip, proj_clip};
+    if (threads == 2) {
+#pragma omp parallel num_threads(2)
+        {
+#ifdef _OPENMP
+            const int64_t me = omp_get_thread_num(), team = omp_get_num_threads(); /* one thread where nested */
+#else
+            const int64_t me = 0, team = 1;
+#endif
+            for (int64_t d = me; d < 2; d += team) direction_steps(&s, d);
         }
+    } else {
+        team_steps(&s, threads);
     }
     return 0;
 }
