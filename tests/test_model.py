@@ -307,3 +307,18 @@ def test_elmo_lstm_rows_of_length_zero_keep_their_state():
     assert not torch.allclose(h[:, :, 0], state[0][:, :, 0])
     assert all(float(layer[1].abs().max()) == 0.0 for layer in outputs)
     assert all(float(layer[2, 2:].abs().max()) == 0.0 for layer in outputs)
+
+
+def test_the_boundary_rows_follow_the_token_encoder_s_weights():
+    """A pass given a token table adds <S> and </S> from rows kept between passes: they must be the rows of the
+    weights as they are now (after a training step or a load), as a fresh model with these weights computes them."""
+    model = _random_model()
+    sentence = [["a", "b", "c"]]
+    before = model.embed_sentences(sentence)[0]
+    with torch.no_grad():
+        model.token_encoder.char_cnn.char_embedding.weight.mul_(1.5)  # an in-place step: the same tensor, changed
+    after = model.embed_sentences(sentence)[0]
+    fresh = _random_model()
+    fresh.load_state_dict(model.state_dict())
+    np.testing.assert_allclose(after, fresh.embed_sentences(sentence)[0], atol=1e-6, rtol=0)
+    assert not np.allclose(before[1], after[1], atol=1e-4)
