@@ -72,10 +72,12 @@ class ModelRef:
     def directory(self) -> Path:
         return self.options.parent
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """A short name for logs and ``/info``: the exact registered version (``models:/elmo/3`` where
-        ``models:/elmo/latest`` was asked), the URI as asked, else the folder's name."""
+        ``models:/elmo/latest`` was asked), the URI as asked, else the folder's name. Kept once found: a server
+        names its model in every answer, and resolving the folder's path each time was a tenth of its HTTP
+        process's time."""
         if self.version is not None:
             return self.exact
         return self.asked if tracking.is_model_uri(self.asked) else Path(self.asked).resolve().name
