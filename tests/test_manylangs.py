@@ -267,7 +267,8 @@ def test_every_command_gives_their_numbers(tmp_path, release, expected):
     from elmo_core.runtime import resolve_model
 
     served_by = BatchEmbedder(resolve_model(str(release)).pinned(), "cpu", "fp32", "asked for fp32", 4096)
-    served = served_by.run(Batch(1, SENTENCES, [0] * 5, [Output("layers", encoding="base64")]))
+    batch = Batch(1, SENTENCES, [0] * 5, [Output("layers", encoding="base64")])
+    served = served_by.run(batch).answer(batch)  # computed, then encoded as the model process's answer thread does
     for i, want in enumerate(expected):
         got = np.frombuffer(base64.b64decode(served.embeddings[i][1:-1]), dtype="<f4").reshape(served.shapes[i])
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg="serve")

@@ -45,7 +45,8 @@ def test_a_sentence_gets_the_same_vectors_from_every_command(tmp_path, allennlp_
     from elmo_core.runtime import resolve_model
 
     server = BatchEmbedder(resolve_model(str(allennlp_dir)).pinned(), "cpu", "fp32", "asked for fp32", 4096)
-    answer = server.run(Batch(1, [OTHERS[0], SENTENCE], [0, 0], [Asked("layers", encoding="base64")]))
+    batch = Batch(1, [OTHERS[0], SENTENCE], [0, 0], [Asked("layers", encoding="base64")])
+    answer = server.run(batch).answer(batch)  # computed, then encoded (the model process's answer thread)
     import base64
 
     served = np.frombuffer(base64.b64decode(answer.embeddings[1][1:-1]), dtype="<f4").reshape(answer.shapes[1])

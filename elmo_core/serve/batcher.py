@@ -204,7 +204,8 @@ class Batcher(WorkerEvents):
     def _overdue(self, worker: Worker, batch_id: int) -> None:
         """A model process still on this batch after ``batch_timeout``: hung (or the batch cannot finish), so it is
         killed; its loss is reported as any death is, its requests answered 503, and it is started again."""
-        if worker.batch is not None and worker.batch.id == batch_id and worker.pool is not None:
+        computing = worker.batch is not None and worker.batch.id == batch_id
+        if (computing or batch_id in worker.answering) and worker.pool is not None:
             worker.pool.kill(worker, f"was busy past --batch-timeout {self.limits.batch_timeout:g} s and was killed")
 
     def _finish_batch(self, batch_id: int) -> list[Pending]:
@@ -227,6 +228,9 @@ class Batcher(WorkerEvents):
     def _retire(self) -> None:
         if self.versions is not None:
             self.versions.retire(lambda pool: any(p.request.pool is pool and not p.request.over for p in self.waiting))
+
+    def batch_computed(self, worker: Worker) -> None:
+        self._dispatch()  # the process is free: the next batch goes while this one's answers are encoded
 
     def batch_done(self, worker: Worker, answer: Answer) -> None:
         pendings = self._finish_batch(answer.id)
@@ -253,13 +257,13 @@ class Batcher(WorkerEvents):
         self._fail(self._finish_batch(batch_id), RequestError(f"the model failed on this request's batch: {message}"))
         self._dispatch()
 
-    def worker_lost(self, worker: Worker, batch: Batch | None, exitcode: int | None) -> None:
+    def worker_lost(self, worker: Worker, batches: list[Batch], exitcode: int | None) -> None:
         self.metrics.workers_ready.set(self.pool.ready_count if self.pool else 0)
         if worker.pool is not None and not worker.pool.closing:
             self.metrics.worker_restarts.inc()
-        if batch is not None:
-            why = worker.killed_why or f"died (exit code {exitcode})"
-            error = f"the model process computing this request {why}; it is being started again: retry"
+        why = worker.killed_why or f"died (exit code {exitcode})"
+        error = f"the model process computing this request {why}; it is being started again: retry"
+        for batch in batches:  # the one it computed, and those whose answers it had not sent yet
             self._fail(self._finish_batch(batch.id), Unavailable(error, {"Retry-After": "1"}))
 
     def fatal(self, message: str) -> None:

@@ -4,7 +4,7 @@ The model runs through the runtime (``elmo_core.runtime.Runtime``), as the batch
 prepared once per process, every sentence from zero state over the runtime's word cache (a word's layer 0 is kept
 across batches, so a call pays the char CNN only for words it has not seen), and shaped by the runtime's output
 description, so a sentence's vectors are what ``elmo embed`` writes for it, whatever shares its batch. Each
-sentence's answer leaves encoded (``encode``), so that the HTTP process only joins bytes.
+sentence's answer leaves as an array (``encode.Computed``): the process's answer thread encodes it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from elmo_core.bilm.inference import sentence_slices
@@ -22,10 +23,11 @@ from elmo_core.runtime import Output as Shape
 from elmo_core.runtime import Placement, Runtime
 from elmo_core.runtime.engine import WARM_UP
 from elmo_core.runtime.reference import ModelRef
-from elmo_core.serve.api import Answer, Batch, Output
-from elmo_core.serve.encode import encode
+from elmo_core.serve.api import Batch, Output
+from elmo_core.serve.encode import Computed
 
 log = logging.getLogger(__name__)
+EMPTY = np.zeros(0, dtype=np.float32)  # an empty batch's place holder, never answered
 
 SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "mean")}  # a request's kind, as the
 # runtime's output description: (layers, pool)
@@ -52,25 +54,20 @@ class BatchEmbedder:
         return {"pid": os.getpid(), **self.runtime.facts(), "line": self.runtime.line()}
 
     @torch.no_grad()
-    def run(self, batch: Batch) -> Answer:
-        """Every sentence of the batch in one packed pass through the runtime, each answer shaped and encoded as its
-        request asked."""
+    def run(self, batch: Batch) -> Computed:
+        """Every sentence of the batch in one packed pass through the runtime, each shaped as its request asked."""
         started = time.perf_counter()
-        n = len(batch.sentences)
-        shapes: list[tuple[int, ...]] = [()] * n
-        embeddings: list[bytes] = [b""] * n
+        arrays: list[np.ndarray] = [EMPTY] * len(batch.sentences)
         if not batch.sentences:
-            return Answer(batch.id, shapes, embeddings, 0.0)
+            return Computed(batch.id, arrays, 0.0)
         runtime = self.runtime
         described = [Shape.of(*SHAPES[spec.kind], spec.mix_weights, spec.gamma) for spec in batch.specs]
         factors = [d.factors(runtime.num_layers) if d.layers == "mix" else None for d in described]
-        one_pass = [list(range(n))]  # the batcher chose which sentences share this pass, under its token budget
+        one_pass = [list(range(len(batch.sentences)))]  # the batcher chose which sentences share this pass
         for indices, stacked, counts in runtime.run(batch.sentences, one_pass):
             for i, rows in zip(indices, sentence_slices(counts)):
                 k = batch.outputs[i]
                 shaped = described[k].apply(stacked[:, rows], counts.new_tensor([rows.stop - rows.start]), factors[k])
-                array = described[k].of_sentence(shaped).cpu().numpy()
-                shapes[i] = array.shape
-                embeddings[i] = encode(array, batch.specs[k])
+                arrays[i] = described[k].of_sentence(shaped).cpu().numpy()
         distinct = len({token for sentence in batch.sentences for token in sentence})
-        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, distinct, runtime.words.missed)
+        return Computed(batch.id, arrays, time.perf_counter() - started, distinct, runtime.words.missed)

@@ -1,14 +1,35 @@
 """A sentence's answer as its request asked for it, in the model process (torch-free: the ONNX Runtime model processes
-use it too), so that the HTTP process only joins bytes."""
+use it too), so that the HTTP process only joins bytes. A batch's arrays (``Computed``) are encoded by the model
+process's answer thread while its next batch computes (``workers.worker_main``)."""
 
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
-from elmo_core.serve.api import Output
+from elmo_core.serve.api import Answer, Batch, Output
+
+
+@dataclass
+class Computed:
+    """A batch's vectors as the model gave them, one array per sentence, shaped as its request asked but not yet
+    encoded; ``seconds``: the model's time on it; ``words`` and ``new_words`` as ``Answer`` has them."""
+
+    id: int
+    arrays: list[np.ndarray]
+    seconds: float
+    words: int = 0
+    new_words: int = 0
+
+    def answer(self, batch: Batch) -> Answer:
+        """Each sentence's array encoded as its request asked."""
+        specs = [batch.specs[k] for k in batch.outputs]
+        embeddings = [encode(array, spec) for array, spec in zip(self.arrays, specs, strict=True)]
+        shapes = [array.shape for array in self.arrays]
+        return Answer(self.id, shapes, embeddings, self.seconds, self.words, self.new_words)
 
 
 def encode(array: np.ndarray, spec: Output) -> bytes:

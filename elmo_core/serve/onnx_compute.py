@@ -4,7 +4,7 @@ needs neither torch nor the C kernels).
 
 The same contract as ``compute.BatchEmbedder`` (``warm_up``, ``info``, ``run``), and the same answers: a sentence's
 layers are the file's (equal to the runtime's within 1e-5, ``tests/test_onnx.py``), its mix γ·softmax(w)·layers
-and its mean over tokens computed here as the runtime's ``Output`` computes them, encoded by the same ``encode``.
+and its mean over tokens computed here as the runtime's ``Output`` computes them (``encode.Computed`` encodes them).
 Like the runtime, the process keeps each word's layer 0 (``OnnxWords``), so a word pays the token encoder once.
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 from elmo_core import cpu
 from elmo_core.defaults import WORD_CACHE_BYTES
 from elmo_core.runtime.reference import ModelRef
-from elmo_core.serve.api import Answer, Batch, Output
-from elmo_core.serve.encode import encode
+from elmo_core.serve.api import Batch, Output
+from elmo_core.serve.encode import Computed
 from elmo_core.text.chars import MAX_CHARS, tokens_to_char_array
 from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
 
@@ -171,14 +171,12 @@ class OnnxEmbedder:
             "line": self.line(),
         }
 
-    def run(self, batch: Batch) -> Answer:
-        """Every sentence of the batch in one run of the file, each answer shaped and encoded as its request asked."""
+    def run(self, batch: Batch) -> Computed:
+        """Every sentence of the batch in one run of the file, each shaped as its request asked."""
         started = time.perf_counter()
-        n = len(batch.sentences)
-        shapes: list[tuple[int, ...]] = [()] * n
-        embeddings: list[bytes] = [b""] * n
+        arrays: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(batch.sentences)
         if not batch.sentences:
-            return Answer(batch.id, shapes, embeddings, 0.0)
+            return Computed(batch.id, arrays, 0.0)
         words = list(dict.fromkeys(token for sentence in batch.sentences for token in sentence))
         new_words = self.words.learn(words)
         for group in similar_lengths([len(s) for s in batch.sentences]):
@@ -192,8 +190,5 @@ class OnnxEmbedder:
             else:  # only empty sentences: nothing for the file to run
                 layers = np.zeros((self.n_layers, len(group), 0, self.width), dtype=np.float32)
             for row, i in enumerate(group):
-                spec = batch.specs[batch.outputs[i]]
-                array = shaped(layers[:, row, : len(batch.sentences[i])], spec)
-                shapes[i] = array.shape
-                embeddings[i] = encode(array, spec)
-        return Answer(batch.id, shapes, embeddings, time.perf_counter() - started, len(words), new_words)
+                arrays[i] = shaped(layers[:, row, : len(batch.sentences[i])], batch.specs[batch.outputs[i]])
+        return Computed(batch.id, arrays, time.perf_counter() - started, len(words), new_words)
