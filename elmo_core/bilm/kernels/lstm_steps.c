@@ -1,9 +1,10 @@
 /* An LSTM layer's steps in one C call: CPU inference, float32 (built with lstm_gates.c, called by step_loop.py).
  *
  * Why: from Python a step pays a dozen PyTorch calls besides its products, as much time again as its arithmetic
- * when few rows run (the long sentences' last steps). Here the steps run in one OpenMP region: each thread takes
- * the same panels of the weights at every step (its own cache keeps them where they fit), sums its products in
- * registers, and the threads meet at three barriers a step.
+ * when few rows run (the long sentences' last steps). Here the steps run in one OpenMP region. With two threads each
+ * runs one direction's steps alone (the directions share nothing); with more, each thread takes the same panels of
+ * the weights at every step (its own cache keeps them where they fit) and the team meets at three barriers a step.
+ * Either way the products are summed in registers.
  *
  * Per step t, for the n_t rows still running (the rows are sorted longest first, so they are the first n_t), each
  * direction d:
