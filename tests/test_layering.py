@@ -16,6 +16,7 @@ LAYERS = [
     "defaults",  # one default per runtime decision (torch-free)
     "cpu",
     "heap",  # this process's C heap: large buffers reused
+    "word_rows",  # rows kept by word, least recently used dropped first (both word caches' rule, torch-free)
     "fileio",
     "progress",
     "precision",

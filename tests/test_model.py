@@ -322,3 +322,22 @@ def test_the_boundary_rows_follow_the_token_encoder_s_weights():
     fresh.load_state_dict(model.state_dict())
     np.testing.assert_allclose(after, fresh.embed_sentences(sentence)[0], atol=1e-6, rtol=0)
     assert not np.allclose(before[1], after[1], atol=1e-4)
+
+
+def test_the_word_cache_drops_the_least_recently_used_never_the_batch_s_own():
+    """``WordCache`` (and the ONNX server's ``OnnxWords``, through the same ``WordRows``): past its bytes the words
+    used longest ago go first; a word used again becomes recent; a batch larger than the cache keeps all its words;
+    only missing words are computed, and a kept row is the word's layer 0."""
+    from elmo_core.bilm.inference import WordCache
+
+    model = _random_model()
+    row_bytes = model.config.lstm.projection_dim * 4
+    cache = WordCache(model, max_bytes=3 * row_bytes)
+    cache.table(["a", "b"])
+    cache.table(["c", "d"])
+    assert list(cache.rows.rows) == ["b", "c", "d"] and cache.missed == 2
+    cache.table(["b", "e"])
+    assert list(cache.rows.rows) == ["d", "b", "e"] and cache.missed == 1
+    table = cache.table(["p", "q", "r", "s"])
+    assert list(cache.rows.rows) == ["p", "q", "r", "s"] and cache.missed == 4
+    torch.testing.assert_close(table.table[1:], model.token_embeddings(["p", "q", "r", "s"]), atol=1e-6, rtol=0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from elmo_core.defaults import DEFAULT_INFERENCE_PRECISION, WORD_CACHE_BYTES
+from elmo_core.word_rows import WordRows
 
 log = logging.getLogger(__name__)
 
@@ -166,32 +167,27 @@ def shared_first(words_of_passes: Sequence[set[str]]) -> tuple[list[str], int, i
 
 class WordCache:
     """Layer 0 of the words a process has seen, least recently used dropped first past ``max_bytes`` (but never a
-    word the current chunk needs). ``missed``: how many words the last ``table`` computed."""
+    word the current chunk needs: ``word_rows.WordRows``). ``missed``: how many words the last ``table`` computed."""
 
     def __init__(self, bilm: Embeds, max_bytes: int = WORD_CACHE_BYTES) -> None:
         self.bilm, self.max_bytes = bilm, max_bytes
-        self.rows: OrderedDict[str, Tensor] = OrderedDict()
+        self.rows: WordRows[Tensor] = WordRows()
         self.missed = 0
 
     @property
     def capacity(self) -> int:
         """How many words fit ``max_bytes``, by the size of a row as computed (float32 or bfloat16)."""
-        row = next(iter(self.rows.values()), None)
+        row = self.rows.first()
         return self.max_bytes // max(1, row.numel() * row.element_size()) if row is not None else self.max_bytes
 
     def table(self, words: Sequence[str]) -> TokenCache:
         """A token cache of ``words`` (distinct), computing only the ones not kept."""
-        rows = self.rows
-        missing = [w for w in words if w not in rows]
+        missing = self.rows.missing(words)
         self.missed = len(missing)
         if missing:
-            for word, row in zip(missing, self.bilm.token_embeddings(missing)):
-                rows[word] = row
-        for word in words:
-            rows.move_to_end(word)
-        while len(rows) > max(self.capacity, len(words)):
-            rows.popitem(last=False)
-        return TokenCache(self.bilm, words, torch.stack([rows[w] for w in words]) if words else None)
+            self.rows.add(missing, self.bilm.token_embeddings(missing))
+        self.rows.keep(words, self.capacity)
+        return TokenCache(self.bilm, words, torch.stack([self.rows[w] for w in words]) if words else None)
 
 
 class StateCarry:

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import time
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from elmo_core.serve.api import Batch, Output
 from elmo_core.serve.encode import Computed
 from elmo_core.text.chars import MAX_CHARS, tokens_to_char_array
 from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
+from elmo_core.word_rows import WordRows
 
 log = logging.getLogger(__name__)
 
@@ -85,28 +85,24 @@ def similar_lengths(lengths: list[int]) -> list[list[int]]:
 class OnnxWords:
     """Layer 0 of the words this process has seen, as the file gave it (the first P columns of ``layers[0]``), least
     recently used dropped first past ``max_bytes``, never a word of the batch at hand: the runtime's ``WordCache``
-    without torch. The token encoder is about half of a run of short sentences (``bilm.onnx_export``), and the
-    torch server pays it only for words it has not seen; so a batch's new words run first, each as a sentence of
-    its own (a word's layer 0 depends on the word alone), and every run of the batch then passes its rows as the
-    file's optional ``token_embeddings``, which skips the encoder."""
+    without torch (the two share ``word_rows.WordRows``). The token encoder is about half of a run of short
+    sentences (``bilm.onnx_export``), and the torch server pays it only for words it has not seen; so a batch's new
+    words run first, each as a sentence of its own (a word's layer 0 depends on the word alone), and every run of the
+    batch then passes its rows as the file's optional ``token_embeddings``, which skips the encoder."""
 
     def __init__(self, session: Any, dictionaries: Dictionaries | None, dim: int, max_bytes: int) -> None:
         self.session, self.dictionaries, self.dim = session, dictionaries, dim
         self.capacity = max(1, max_bytes // (4 * dim))
-        self.rows: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.rows: WordRows[np.ndarray] = WordRows()
 
     def learn(self, words: list[str]) -> int:
         """Keeps every one of ``words`` (distinct), computing those not kept; returns how many were computed."""
-        missing = [word for word in words if word not in self.rows]
+        missing = self.rows.missing(words)
         for start in range(0, len(missing), NEW_WORDS_A_RUN):
             chunk = missing[start : start + NEW_WORDS_A_RUN]
             layers, _ = self.session.run(None, {CHAR_IDS: char_ids([[word] for word in chunk], self.dictionaries)})
-            for word, row in zip(chunk, layers[0, :, 0, : self.dim]):
-                self.rows[word] = row.copy()  # a view would keep the run's whole output alive
-        for word in words:
-            self.rows.move_to_end(word)
-        while len(self.rows) > max(self.capacity, len(words)):
-            self.rows.popitem(last=False)
+            self.rows.add(chunk, (row.copy() for row in layers[0, :, 0, : self.dim]))  # a view keeps the whole run
+        self.rows.keep(words, self.capacity)
         return len(missing)
 
     def embeddings(self, sentences: list[list[str]]) -> np.ndarray:
