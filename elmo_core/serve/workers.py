@@ -72,9 +72,11 @@ def worker_main(conn: Connection, plan: WorkerPlan) -> None:
 
     A batch's vectors go to the answer thread, which encodes and sends them, while this thread says ``computed``
     and takes the next batch: the HTTP process sends one as soon as it hears that. Why: encoding a batch of 33
-    sentences' layers as JSON floats took 12 ms on a 2-vCPU Xeon, against about 50 ms of model, with one core idle
-    and the next batch waiting; now it runs beside the next batch. At most one batch waits for the answer thread
-    (``answers``), so a slow encoder holds the model back rather than piling answers up."""
+    sentences' layers as JSON floats takes about 12 ms on a 2-vCPU Xeon beside some 50 ms of model, and the next
+    batch waited for it. Where a core is free it now runs beside the next batch (+2% measured, the model on one of
+    two cores); where the model's threads take every core it gains nothing (docs/benchmarks.md). At most one batch
+    waits for the answer thread (``answers``), so a slow encoder holds the model back rather than piling answers
+    up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(WORKER_NICENESS)
