@@ -17,9 +17,6 @@ class WordRows(Generic[Row]):
     def __init__(self) -> None:
         self.rows: OrderedDict[str, Row] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def __getitem__(self, word: str) -> Row:
         return self.rows[word]
 

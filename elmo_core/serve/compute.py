@@ -24,10 +24,9 @@ from elmo_core.runtime import Placement, Runtime
 from elmo_core.runtime.engine import WARM_UP
 from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Batch, Output
-from elmo_core.serve.encode import Computed
+from elmo_core.serve.encode import EMPTY, Computed
 
 log = logging.getLogger(__name__)
-EMPTY = np.zeros(0, dtype=np.float32)  # an empty batch's place holder, never answered
 
 SHAPES = {"layers": ("all", "none"), "mix": ("mix", "none"), "mean": ("mix", "mean")}  # a request's kind, as the
 # runtime's output description: (layers, pool)

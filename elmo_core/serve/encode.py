@@ -12,6 +12,8 @@ import orjson
 
 from elmo_core.serve.api import Answer, Batch, Output
 
+EMPTY = np.zeros(0, dtype=np.float32)  # a sentence's place in ``Computed.arrays`` until its array is there
+
 
 @dataclass
 class Computed:

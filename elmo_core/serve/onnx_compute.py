@@ -22,7 +22,7 @@ from elmo_core import cpu
 from elmo_core.defaults import WORD_CACHE_BYTES
 from elmo_core.runtime.reference import ModelRef
 from elmo_core.serve.api import Batch, Output
-from elmo_core.serve.encode import Computed
+from elmo_core.serve.encode import EMPTY, Computed
 from elmo_core.text.chars import MAX_CHARS, tokens_to_char_array
 from elmo_core.text.manylangs_chars import ONNX_METADATA_KEY, Dictionaries
 from elmo_core.word_rows import WordRows
@@ -170,7 +170,7 @@ class OnnxEmbedder:
     def run(self, batch: Batch) -> Computed:
         """Every sentence of the batch in one run of the file, each shaped as its request asked."""
         started = time.perf_counter()
-        arrays: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(batch.sentences)
+        arrays: list[np.ndarray] = [EMPTY] * len(batch.sentences)
         if not batch.sentences:
             return Computed(batch.id, arrays, 0.0)
         words = list(dict.fromkeys(token for sentence in batch.sentences for token in sentence))
